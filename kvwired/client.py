@@ -1,0 +1,466 @@
+"""What engines import: ``SenderClient`` (prefill) and ``ReceiverClient`` (decode).
+
+Both map their daemon's pool: the prefill engine writes each layer straight
+into registered staging memory and commits it (the daemon sends that layer
+while the engine computes the next); the decode engine reads delivered KV in
+place and releases it. ``SyncSenderClient`` and ``SyncReceiverClient`` wrap
+them for callers without an event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import threading
+import time
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
+from .layout import KVLayout, RequestShape, resolve_chunk_bytes
+from .localsock import close_quietly, connect_local
+from .pool import map_shared_fd
+from .protocol import RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, encode, message, read_message
+
+DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
+DEFAULT_RECEIVER_SOCKET = "/run/kvwire/receiver.sock"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PushResult:
+    req: str
+    bytes: int
+    checksum: int
+    seconds: float  # open() to delivered, as the engine saw it
+    timings: dict[str, float]
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * 8 / self.seconds / 1e9 if self.seconds else 0.0
+
+
+@dataclass(frozen=True)
+class LayerLanded:
+    req: str
+    layer: int
+
+
+@dataclass(frozen=True)
+class Delivered:
+    req: str
+    offset: int
+    length: int
+    layers: int
+    checksum: int
+
+
+class _Connection:
+    """A local daemon connection: frames out, a reader task routing frames in."""
+
+    def __init__(self, path: str, role: str, schema: Schema) -> None:
+        self.path, self.role, self.schema = path, role, schema
+        self.map: mmap.mmap | None = None
+        self.welcome: Message = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self.broken: KvwireError | None = None
+
+    async def open(self, writable: bool) -> None:
+        reader, writer, welcome, fd = await connect_local(self.path, self.role, self.schema)
+        self.map = map_shared_fd(fd, int(welcome["pool_size"]), writable=writable)
+        self.welcome, self._writer = welcome, writer
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        error: KvwireError
+        try:
+            while (msg := await read_message(reader, self.schema)) is not None:
+                if msg["t"] == "error":
+                    error = from_wire(msg["error"])
+                    break
+                self.route(msg)
+            else:
+                error = DaemonUnavailable(f"the daemon at {self.path} closed the connection",
+                                          hint="check its logs; it may have been stopped")
+        except KvwireError as exc:
+            error = exc
+        except (ConnectionError, OSError) as exc:
+            error = DaemonUnavailable(f"connection to the daemon at {self.path} broke: {exc}")
+        self.broken = error
+        self.fail_all(error)
+
+    def route(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def fail_all(self, error: KvwireError) -> None:
+        raise NotImplementedError
+
+    def send(self, msg: Message) -> None:
+        if self.broken is not None:
+            raise self.broken
+        assert self._writer is not None
+        self._writer.write(encode(msg))
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+        if self._writer is not None:
+            close_quietly(self._writer)
+
+
+class OutgoingPush:
+    """One request being pushed: fill layers in staging memory, commit each."""
+
+    def __init__(self, client: SenderClient, req: str, shape: RequestShape, offset: int,
+                 chunk_bytes: int, started: float) -> None:
+        self.client = client
+        self.req = req
+        self.shape = shape
+        self.chunk_bytes = chunk_bytes
+        assert client.conn.map is not None
+        self.buffer = memoryview(client.conn.map)[offset : offset + shape.total_bytes]
+        self._committed = 0
+        self._started = started
+        self._result: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
+
+    def layer(self, n: int) -> memoryview:
+        """Writable staging memory of layer ``n`` (registered: no copy on the way out)."""
+        offset, length = self.shape.layer_span(n)
+        return self.buffer[offset : offset + length]
+
+    def commit(self, n: int) -> None:
+        """Hand layer ``n`` to the daemon; returns at once."""
+        if self._result.done():
+            self._result.result()  # raises the failure, if that is what ended it
+            raise UsageError(f"request {self.req} is already finished")
+        if n != self._committed:
+            raise UsageError(f"layer {n} committed out of order",
+                             hint=f"commit layers in order; layer {self._committed} is next")
+        self.client.conn.send(message("commit", req=self.req, layer=n))
+        self._committed += 1
+
+    async def finish(self) -> PushResult:
+        """Wait until the receiver has every byte; the request's timings."""
+        if self._committed < self.shape.layers and not self._result.done():
+            raise UsageError(
+                f"finish() before every layer was committed ({self._committed} of "
+                f"{self.shape.layers})", hint="commit all layers, or abort()")
+        try:
+            return await self._result
+        finally:
+            self.buffer.release()
+
+    def abort(self) -> None:
+        if not self._result.done():
+            self.client.conn.send(message("abort", req=self.req))
+
+    def _finished(self, msg: Message) -> None:
+        if not self._result.done():
+            self._result.set_result(PushResult(
+                self.req, self.shape.total_bytes, msg["checksum"],
+                time.perf_counter() - self._started, dict(msg["timings"])))
+
+    def _failed(self, error: KvwireError) -> None:
+        if not self._result.done():
+            self._result.set_exception(error)
+            self._result.exception()  # mark retrieved: the caller may never finish()
+
+
+class SenderClient:
+    """A prefill engine's connection to its local sender daemon."""
+
+    def __init__(self, path: str) -> None:
+        self.conn = _SenderConnection(path, self)
+        self._opening: dict[str, asyncio.Future[Message]] = {}
+        self._pushes: dict[str, OutgoingPush] = {}
+
+    @classmethod
+    async def connect(cls, path: str = DEFAULT_SENDER_SOCKET) -> SenderClient:
+        client = cls(path)
+        await client.conn.open(writable=True)
+        return client
+
+    async def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
+                   chunk: str | int | None = None,
+                   deadline: float | None = None) -> OutgoingPush:
+        """Open a push of request ``req`` to receiver ``peer``."""
+        layout = shape if isinstance(shape, KVLayout) else None
+        request_shape = shape.shape() if isinstance(shape, KVLayout) else shape
+        if req in self._opening or req in self._pushes:
+            raise UsageError(f"request {req} is already open on this client")
+        fields: dict[str, Any] = {"req": req, "peer": peer, "shape": request_shape.to_wire()}
+        if chunk is not None:
+            fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout)
+        if deadline is not None:
+            fields["deadline"] = float(deadline)
+        started = time.perf_counter()
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._opening[req] = future
+        try:
+            self.conn.send(message("open", **fields))
+            opened = await future
+        finally:
+            self._opening.pop(req, None)
+        push = OutgoingPush(self, req, request_shape, opened["offset"], opened["chunk_bytes"],
+                            started)
+        self._pushes[req] = push
+        return push
+
+    async def push_bytes(self, req: str, peer: str, data: bytes | memoryview, *,
+                         chunk: str | int | None = None,
+                         deadline: float | None = None) -> PushResult:
+        """Push a byte string as a one-layer request (one copy, into staging)."""
+        push = await self.open(req, peer, RequestShape(1, len(data)), chunk=chunk,
+                               deadline=deadline)
+        push.layer(0)[:] = data
+        push.commit(0)
+        return await push.finish()
+
+    def _route(self, msg: Message) -> None:
+        req = msg.get("req", "")
+        if msg["t"] == "opened":
+            future = self._opening.get(req)
+            if future is not None and not future.done():
+                future.set_result(msg)
+            return
+        if msg["t"] == "failed":
+            error = from_wire(msg["error"])
+            future = self._opening.get(req)
+            if future is not None and not future.done():
+                future.set_exception(error)
+            push = self._pushes.pop(req, None)
+            if push is not None:
+                push._failed(error)
+        elif msg["t"] == "finished":
+            push = self._pushes.pop(req, None)
+            if push is not None:
+                push._finished(msg)
+
+    def _fail_all(self, error: KvwireError) -> None:
+        for future in self._opening.values():
+            if not future.done():
+                future.set_exception(error)
+        for push in self._pushes.values():
+            push._failed(error)
+        self._pushes.clear()
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def __aenter__(self) -> SenderClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _SenderConnection(_Connection):
+    def __init__(self, path: str, client: SenderClient) -> None:
+        super().__init__(path, "prefill", SENDER_LOCAL)
+        self.client = client
+
+    def route(self, msg: Message) -> None:
+        self.client._route(msg)
+
+    def fail_all(self, error: KvwireError) -> None:
+        self.client._fail_all(error)
+
+
+class ReceiverClient:
+    """A decode engine's connection to its local receiver daemon."""
+
+    def __init__(self, path: str) -> None:
+        self.conn = _ReceiverConnection(path, self)
+        self._events: dict[str, asyncio.Queue[LayerLanded | Delivered | KvwireError]] = {}
+        self._released: dict[str, asyncio.Future[None]] = {}
+
+    @classmethod
+    async def connect(cls, path: str = DEFAULT_RECEIVER_SOCKET) -> ReceiverClient:
+        client = cls(path)
+        await client.conn.open(writable=False)
+        return client
+
+    def subscribe(self, req: str) -> None:
+        """Ask for the events of ``req`` (it need not be opened yet)."""
+        if req not in self._events:
+            self._events[req] = asyncio.Queue()
+            self.conn.send(message("subscribe", req=req))
+
+    async def events(self, req: str) -> AsyncIterator[LayerLanded | Delivered]:
+        """Layer events of ``req`` in order, then its ``Delivered``; raises if it fails."""
+        self.subscribe(req)
+        queue = self._events[req]
+        while True:
+            event = await queue.get()
+            if isinstance(event, KvwireError):
+                raise event
+            yield event
+            if isinstance(event, Delivered):
+                return
+
+    async def wait_delivered(self, req: str, timeout: float | None = None) -> Delivered:
+        async with asyncio.timeout(timeout):
+            async for event in self.events(req):
+                if isinstance(event, Delivered):
+                    return event
+        raise AssertionError("unreachable: events() ends with Delivered")
+
+    def view(self, delivered: Delivered) -> memoryview:
+        """The delivered KV, read in place from the receive pool (read-only)."""
+        assert self.conn.map is not None
+        return memoryview(self.conn.map)[delivered.offset : delivered.offset + delivered.length]
+
+    async def release(self, req: str) -> None:
+        """Give the slot back; the data in it may be overwritten from now on."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._released[req] = future
+        self.conn.send(message("release", req=req))
+        try:
+            await future
+        finally:
+            self._released.pop(req, None)
+            self._events.pop(req, None)
+
+    def _route(self, msg: Message) -> None:
+        req = msg["req"]
+        kind = msg["t"]
+        if kind == "released":
+            future = self._released.get(req)
+            if future is not None and not future.done():
+                future.set_result(None)
+            return
+        if kind == "failed" and req in self._released:
+            self._released[req].set_exception(from_wire(msg["error"]))
+            return
+        queue = self._events.get(req)
+        if queue is None:
+            return
+        if kind == "layer":
+            queue.put_nowait(LayerLanded(req, msg["layer"]))
+        elif kind == "complete":
+            queue.put_nowait(Delivered(req, msg["offset"], msg["length"], msg["layers"],
+                                       msg["checksum"]))
+        elif kind == "failed":
+            queue.put_nowait(from_wire(msg["error"]))
+
+    def _fail_all(self, error: KvwireError) -> None:
+        for queue in self._events.values():
+            queue.put_nowait(error)
+        for future in self._released.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def __aenter__(self) -> ReceiverClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _ReceiverConnection(_Connection):
+    def __init__(self, path: str, client: ReceiverClient) -> None:
+        super().__init__(path, "decode", RECEIVER_LOCAL)
+        self.client = client
+
+    def route(self, msg: Message) -> None:
+        self.client._route(msg)
+
+    def fail_all(self, error: KvwireError) -> None:
+        self.client._fail_all(error)
+
+
+# ------------------------------------------------------------ sync wrappers
+
+
+class _LoopThread:
+    """An event loop on a daemon thread, for the synchronous wrappers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="kvwire-client")
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        async def invoke() -> Any:
+            return fn(*args)
+        return self.run(invoke())
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+class SyncPush:
+    def __init__(self, runner: _LoopThread, push: OutgoingPush) -> None:
+        self._runner, self._push = runner, push
+        self.req, self.shape = push.req, push.shape
+
+    def layer(self, n: int) -> memoryview:
+        return self._push.layer(n)
+
+    def commit(self, n: int) -> None:
+        self._runner.call(self._push.commit, n)
+
+    def finish(self) -> PushResult:
+        return self._runner.run(self._push.finish())
+
+    def abort(self) -> None:
+        self._runner.call(self._push.abort)
+
+
+class SyncSenderClient:
+    def __init__(self, path: str = DEFAULT_SENDER_SOCKET) -> None:
+        self._runner = _LoopThread()
+        try:
+            self._client = self._runner.run(SenderClient.connect(path))
+        except BaseException:
+            self._runner.stop()
+            raise
+
+    def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
+             chunk: str | int | None = None, deadline: float | None = None) -> SyncPush:
+        push = self._runner.run(self._client.open(req, peer, shape, chunk=chunk,
+                                                  deadline=deadline))
+        return SyncPush(self._runner, push)
+
+    def push_bytes(self, req: str, peer: str, data: bytes, **kwargs: Any) -> PushResult:
+        return self._runner.run(self._client.push_bytes(req, peer, data, **kwargs))
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.stop()
+
+
+class SyncReceiverClient:
+    def __init__(self, path: str = DEFAULT_RECEIVER_SOCKET) -> None:
+        self._runner = _LoopThread()
+        try:
+            self._client = self._runner.run(ReceiverClient.connect(path))
+        except BaseException:
+            self._runner.stop()
+            raise
+
+    def wait_delivered(self, req: str, timeout: float | None = None) -> Delivered:
+        return self._runner.run(self._client.wait_delivered(req, timeout))
+
+    def view(self, delivered: Delivered) -> memoryview:
+        return self._client.view(delivered)
+
+    def release(self, req: str) -> None:
+        self._runner.run(self._client.release(req))
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.stop()

@@ -1,0 +1,198 @@
+"""Daemon configuration: a TOML file, every key also settable by a flag.
+
+The dataclasses below are the single source of truth: their fields are the
+TOML keys, the flags (``pool_size`` -> ``--pool-size``) and the ``--help``
+text, so the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .layout import resolve_chunk_bytes
+from .units import parse_size
+
+
+def _opt(default: Any, help: str, kind: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "kind": kind})
+
+
+def parse_address(text: str, default_port: int) -> tuple[str, int]:
+    """"host:port", "host" or ":port" (IPv6 in brackets) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or "]" in port:
+        host, port = text, str(default_port)
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"cannot read {text!r} as host:port") from None
+    if not 0 <= number <= 65535:
+        raise ConfigError(f"port {number} in {text!r} is outside 0..65535")
+    return host, number
+
+
+@dataclass
+class CommonConfig:
+    name: str = _opt("", "name of this node, shown to peers and in metrics")
+    transport: str = _opt("tcp", "data path: tcp (verbs arrives with the RDMA transport)")
+    metrics: str = _opt(
+        "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
+    )
+    heartbeat: float = _opt(
+        1.0, "seconds between control-connection pings; 4 missed pings drop the peer"
+    )
+    log_level: str = _opt("info", "debug, info, warning or error")
+    log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
+
+
+@dataclass
+class ReceiverConfig(CommonConfig):
+    name: str = _opt("decode", "name of this node, shown to peers and in metrics")
+    listen: str = _opt("0.0.0.0:7471", "host:port of the control listener for senders")
+    data_port: int = _opt(7472, "TCP transport: port of the data listener (0: any)")
+    socket: str = _opt("/run/kvwire/receiver.sock", "unix socket for decode engines")
+    pool_size: int = _opt(256 << 20, "receive pool size (e.g. 256MiB)", "size")
+    lease_wait: float = _opt(
+        5.0, "seconds a request waits for pool room before it is refused as pool full"
+    )
+    credits: int = _opt(64, "requests one sender may have open at once")
+    metrics: str = _opt("127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: off)")
+
+
+@dataclass
+class SenderConfig(CommonConfig):
+    name: str = _opt("prefill", "name of this node, shown to peers and in metrics")
+    socket: str = _opt("/run/kvwire/sender.sock", "unix socket for prefill engines")
+    staging_size: int = _opt(256 << 20, "staging pool size (e.g. 256MiB)", "size")
+    staging_wait: float = _opt(5.0, "seconds an open waits for staging room")
+    chunk: str = _opt(
+        "per-token",
+        "default write size: per-token-per-layer, per-token, per-layer, whole or bytes",
+    )
+    connect_timeout: float = _opt(5.0, "seconds to reach a receiver before giving up")
+    peers: dict[str, str] = _opt(
+        None, "receivers by name: NAME=HOST:PORT (repeat the flag for more)", "peers"
+    )
+    metrics: str = _opt("127.0.0.1:9472", "host:port of the Prometheus endpoint (port 0: off)")
+
+    def __post_init__(self) -> None:
+        if self.peers is None:
+            self.peers = {}
+
+    @property
+    def chunk_bytes(self) -> int:
+        return resolve_chunk_bytes(self.chunk)
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type[CommonConfig]) -> None:
+    parser.add_argument("--config", metavar="FILE", help="TOML file with any of the keys below")
+    for f in dataclasses.fields(cls):
+        kind = f.metadata.get("kind", "")
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata.get('help', '')} [TOML: {f.name}; default: {_show(f)}]"
+        if kind == "peers":
+            parser.add_argument(flag[:-1], dest=f.name, action="append", metavar="NAME=ADDR",
+                                help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, metavar=f.name.upper(), help=help_text)
+
+
+def _show(f: dataclasses.Field[Any]) -> str:
+    if f.metadata.get("kind") == "size":
+        from .units import format_size
+
+        return format_size(int(str(f.default)))
+    return "none" if f.default is None else str(f.default)
+
+
+def load(cls: type[CommonConfig], args: argparse.Namespace | None = None,
+         path: str | None = None) -> Any:
+    """Defaults, overlaid by the TOML file, overlaid by flags."""
+    values: dict[str, Any] = {}
+    file = path or (getattr(args, "config", None) if args else None)
+    if file:
+        try:
+            values.update(tomllib.loads(Path(file).read_text()))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {file}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {file} is not valid TOML: {exc}") from exc
+    if args is not None:
+        for f in dataclasses.fields(cls):
+            flag_value = getattr(args, f.name, None)
+            if flag_value is None:
+                continue
+            if f.metadata.get("kind") == "peers":
+                peers = dict(values.get("peers") or {})
+                for item in flag_value:
+                    name, sep, address = item.partition("=")
+                    if not sep or not name:
+                        raise ConfigError(f"--peer {item!r} is not NAME=HOST:PORT")
+                    peers[name] = address
+                values["peers"] = peers
+            else:
+                values[f.name] = flag_value
+    return build(cls, values)
+
+
+def build(cls: type[CommonConfig], values: dict[str, Any]) -> Any:
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)}",
+            hint=f"known keys: {', '.join(sorted(known))}",
+        )
+    converted: dict[str, Any] = {}
+    for name, value in values.items():
+        converted[name] = _convert(known[name], value)
+    config = cls(**converted)
+    _check(config)
+    return config
+
+
+def _convert(f: dataclasses.Field[Any], value: Any) -> Any:
+    kind = f.metadata.get("kind", "")
+    try:
+        if kind == "size":
+            return parse_size(value)
+        if kind == "peers":
+            if not isinstance(value, dict):
+                raise ConfigError("peers must be a table of NAME = \"HOST:PORT\"")
+            return {str(k): str(v) for k, v in value.items()}
+        if f.type in ("int", int):
+            return int(value)
+        if f.type in ("float", float):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config key {f.name}: cannot read {value!r} as {f.type}") from None
+
+
+def _check(config: CommonConfig) -> None:
+    if config.transport not in ("tcp",):
+        raise ConfigError(
+            f"unknown transport {config.transport!r}", hint="this release supports: tcp"
+        )
+    if config.log_format not in ("auto", "json", "console"):
+        raise ConfigError(f"log_format {config.log_format!r}: use auto, json or console")
+    if config.heartbeat <= 0:
+        raise ConfigError("heartbeat must be a positive number of seconds")
+    parse_address(config.metrics, 0)
+    if isinstance(config, ReceiverConfig):
+        parse_address(config.listen, 7471)
+        if config.credits < 1:
+            raise ConfigError("credits must be at least 1")
+    if isinstance(config, SenderConfig):
+        config.chunk_bytes  # noqa: B018  (validates the granularity)
+        for name, address in config.peers.items():
+            parse_address(address, 7471)
+            if not name:
+                raise ConfigError("a peer needs a name")

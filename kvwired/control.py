@@ -1,0 +1,100 @@
+"""One control connection between a sender and a receiver daemon.
+
+Frames in and out, pings to notice a peer that vanished without closing its
+socket (a dead host sends no FIN), and an error frame before closing on a
+protocol violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import structlog
+
+from .errors import KvwireError, PeerLost
+from .protocol import CONTROL, Message, encode, error_message, message, read_message
+
+log = structlog.get_logger("kvwired.control")
+
+MISSED_PINGS = 4
+
+
+class ControlConnection:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        heartbeat: float,
+        label: str,
+    ) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.heartbeat = heartbeat
+        self.label = label
+        self._pinger: asyncio.Task[None] | None = None
+        self.closed = False
+
+    @property
+    def local_host(self) -> str:
+        return str(self.writer.get_extra_info("sockname")[0])
+
+    @property
+    def peer_address(self) -> str:
+        peer = self.writer.get_extra_info("peername")
+        return f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def send(self, msg: Message) -> None:
+        if not self.closed:
+            self.writer.write(encode(msg))
+
+    async def recv(self, timeout: float | None = None) -> Message:
+        """The next message that is not a ping/pong; PeerLost at end of stream."""
+        limit = timeout if timeout is not None else self.heartbeat * MISSED_PINGS
+        while True:
+            try:
+                msg = await asyncio.wait_for(read_message(self.reader, CONTROL), limit)
+            except TimeoutError:
+                raise PeerLost(
+                    f"{self.label} sent nothing for {limit:g} s",
+                    hint="the peer or the network between the nodes is down",
+                ) from None
+            except (ConnectionError, OSError) as exc:
+                raise PeerLost(f"connection to {self.label} broke: {exc}") from exc
+            if msg is None:
+                raise PeerLost(f"{self.label} closed the control connection")
+            if msg["t"] == "ping":
+                self.send(message("pong"))
+                continue
+            if msg["t"] == "pong":
+                continue
+            return msg
+
+    async def messages(self) -> AsyncIterator[Message]:
+        while True:
+            yield await self.recv()
+
+    def start_pinging(self) -> None:
+        self._pinger = asyncio.create_task(self._ping_forever(), name=f"ping-{self.label}")
+
+    async def _ping_forever(self) -> None:
+        while not self.closed:
+            await asyncio.sleep(self.heartbeat)
+            self.send(message("ping"))
+
+    def fail(self, error: KvwireError) -> None:
+        """Tell the peer why (best effort), then close."""
+        if not isinstance(error, PeerLost):
+            with contextlib.suppress(Exception):
+                self.send(error_message(error))
+        self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._pinger is not None:
+            self._pinger.cancel()
+        with contextlib.suppress(Exception):
+            self.writer.close()

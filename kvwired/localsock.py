@@ -1,0 +1,127 @@
+"""Local unix-socket APIs: the handshake that hands a pool's fd to an engine.
+
+The daemon answers a client's ``hello`` with a ``welcome`` frame carrying
+the pool's memfd as SCM_RIGHTS ancillary data; after that the connection is
+an ordinary stream of frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from .errors import DaemonUnavailable, ProtocolError, from_wire
+from .protocol import MAX_FRAME, Message, Schema, decode, encode, message
+
+ClientHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def send_with_fd(writer: asyncio.StreamWriter, msg: Message, fd: int) -> None:
+    """Send one frame with ``fd`` attached (the stream's buffer must be empty)."""
+    transport_socket = writer.get_extra_info("socket")
+    # asyncio exposes no sendmsg on its sockets; a dup of the descriptor
+    # shares the connection. It stays non-blocking, and a first small frame
+    # on an empty socket buffer is always taken whole.
+    with socket.socket(fileno=os.dup(transport_socket.fileno())) as raw:
+        sent = socket.send_fds(raw, [encode(msg)], [fd])
+    if sent != len(encode(msg)):
+        raise ProtocolError("the welcome frame was cut short by the socket")
+
+
+async def serve_unix(path: str, handler: ClientHandler) -> asyncio.AbstractServer:
+    """Listen on ``path`` (replacing a stale socket file, refusing anything else)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() or target.is_symlink():
+        if not stat.S_ISSOCK(target.lstat().st_mode):
+            raise DaemonUnavailable(
+                f"{path} exists and is not a socket", hint="choose another socket path"
+            )
+        if _is_live_socket(path):
+            raise DaemonUnavailable(
+                f"another daemon is already listening on {path}",
+                hint="stop it first, or give this one another socket path",
+            )
+        target.unlink()
+    server = await asyncio.start_unix_server(handler, path)
+    os.chmod(path, 0o660)
+    return server
+
+
+def _is_live_socket(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        return True
+
+
+def _handshake(path: str, role: str, schema: Schema) -> tuple[socket.socket, Message, int]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(10)
+        try:
+            sock.connect(path)
+        except OSError as exc:
+            raise DaemonUnavailable(
+                f"cannot reach the kvwire daemon at {path}: {exc.strerror or exc}",
+                hint="is the daemon running, and may this user open its socket?",
+            ) from exc
+        sock.sendall(encode(message("hello", role=role)))
+        data, fds, _, _ = socket.recv_fds(sock, MAX_FRAME + 4, 1)
+        if not data:
+            raise DaemonUnavailable(f"the daemon at {path} closed the connection at once")
+        data = _read_rest(sock, data)
+        msg = decode(data[4:], schema)
+        if msg["t"] == "error":
+            for fd in fds:
+                os.close(fd)
+            raise from_wire(msg["error"])
+        if msg["t"] != "welcome" or len(fds) != 1:
+            raise ProtocolError(f"expected a welcome with the pool fd, got {msg['t']!r}")
+        sock.settimeout(None)
+        sock.setblocking(False)
+        return sock, msg, fds[0]
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _read_rest(sock: socket.socket, data: bytes) -> bytes:
+    while len(data) < 4:
+        more = sock.recv(4 - len(data))
+        if not more:
+            raise ProtocolError("stream ended inside the welcome frame")
+        data += more
+    need = 4 + int.from_bytes(data[:4], "big")
+    while len(data) < need:
+        more = sock.recv(need - len(data))
+        if not more:
+            raise ProtocolError("stream ended inside the welcome frame")
+        data += more
+    return data
+
+
+async def connect_local(
+    path: str, role: str, schema: Schema
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Message, int]:
+    """Connect to a daemon's unix socket: (reader, writer, welcome, pool fd)."""
+    sock, welcome, fd = await asyncio.to_thread(_handshake, path, role, schema)
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+    except BaseException:
+        os.close(fd)
+        sock.close()
+        raise
+    return reader, writer, welcome, fd
+
+
+def close_quietly(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(Exception):
+        writer.close()

@@ -1,0 +1,179 @@
+"""Messages of the control connection and of the local unix APIs.
+
+A frame is a 4-byte big-endian length followed by one msgpack map. Every
+map has ``t`` (its type) and ``v`` (the protocol version). Frames are
+checked against the schema of their channel on receipt, so the code behind
+this module only ever sees well-formed messages; anything else becomes a
+``ProtocolError`` that the connection answers with an ``error`` frame and
+closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 20
+_LENGTH = struct.Struct(">I")
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Field:
+    types: tuple[type, ...]
+    required: bool = True
+
+
+def _f(*types: type, required: bool = True) -> Field:
+    return Field(types, required)
+
+
+INT = _f(int)
+STR = _f(str)
+DICT = _f(dict)
+ERROR = _f(dict)
+
+Schema = Mapping[str, Mapping[str, Field]]
+
+# Sender daemon <-> receiver daemon, over TCP.
+CONTROL: Schema = {
+    "hello": {"role": STR, "name": STR, "transports": _f(list)},
+    "welcome": {"name": STR, "transport": STR, "credits": INT, "region": DICT},
+    "connect": {"params": DICT},
+    "ready": {"params": DICT},
+    "open": {"req": STR, "shape": DICT},
+    "lease": {"req": STR, "lease": INT, "offset": INT},
+    "refused": {"req": STR, "error": ERROR},
+    "abort": {"req": STR, "lease": INT, "error": ERROR},
+    "abort_ack": {"req": STR, "lease": INT},
+    "delivered": {"req": STR, "lease": INT, "checksum": INT},
+    "credits": {"n": INT},
+    "ping": {},
+    "pong": {},
+    "error": {"error": ERROR},
+}
+
+# Prefill engine <-> sender daemon, over the sender's unix socket.
+SENDER_LOCAL: Schema = {
+    "hello": {"role": STR},
+    "welcome": {"name": STR, "pool_size": INT},
+    "open": {
+        "req": STR,
+        "peer": STR,
+        "shape": DICT,
+        "chunk_bytes": _f(int, required=False),
+        "deadline": _f(float, int, required=False),
+    },
+    "opened": {"req": STR, "offset": INT, "chunk_bytes": INT},
+    "commit": {"req": STR, "layer": INT},
+    "finished": {"req": STR, "checksum": INT, "timings": DICT},
+    "abort": {"req": STR},
+    "failed": {"req": STR, "error": ERROR},
+    "error": {"error": ERROR},
+}
+
+# Decode engine <-> receiver daemon, over the receiver's unix socket.
+RECEIVER_LOCAL: Schema = {
+    "hello": {"role": STR},
+    "welcome": {"name": STR, "pool_size": INT},
+    "subscribe": {"req": STR},
+    "layer": {"req": STR, "layer": INT},
+    "complete": {
+        "req": STR,
+        "offset": INT,
+        "length": INT,
+        "layers": INT,
+        "checksum": INT,
+    },
+    "release": {"req": STR},
+    "released": {"req": STR},
+    "failed": {"req": STR, "error": ERROR},
+    "error": {"error": ERROR},
+}
+
+
+def message(kind: str, **fields: Any) -> Message:
+    return {"t": kind, "v": PROTOCOL_VERSION, **fields}
+
+
+def error_message(error: KvwireError) -> Message:
+    return message("error", error=error.to_wire())
+
+
+def encode(msg: Message) -> bytes:
+    body: bytes = msgpack.packb(msg, use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"refusing to send a {len(body)} B frame (limit {MAX_FRAME} B)")
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes, schema: Schema) -> Message:
+    """Unpack and validate one frame body against ``schema``."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from exc
+    return validate(msg, schema)
+
+
+def validate(msg: object, schema: Schema) -> Message:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"frame is a {type(msg).__name__}, not a map")
+    version = msg.get("v")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"peer speaks kvwire protocol version {version!r}, this side speaks "
+            f"{PROTOCOL_VERSION}",
+            hint="run the same kvwire release on both ends",
+        )
+    kind = msg.get("t")
+    if not isinstance(kind, str) or kind not in schema:
+        raise ProtocolError(
+            f"unknown message type {kind!r}",
+            hint=f"expected one of {', '.join(sorted(schema))}",
+        )
+    for name, field in schema[kind].items():
+        if name not in msg or msg[name] is None:
+            if field.required:
+                raise ProtocolError(f"{kind!r} message lacks field {name!r}")
+            continue
+        value = msg[name]
+        # bool is an int in Python; no field of ours is a bool.
+        if isinstance(value, bool) or not isinstance(value, field.types):
+            wanted = " or ".join(t.__name__ for t in field.types)
+            raise ProtocolError(
+                f"{kind!r} field {name!r} is {type(value).__name__}, expected {wanted}"
+            )
+    return msg
+
+
+async def read_message(reader: asyncio.StreamReader, schema: Schema) -> Message | None:
+    """The next validated message, or None at a clean end of stream."""
+    try:
+        header = await reader.readexactly(_LENGTH.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise ProtocolError("stream ended inside a frame header") from exc
+        return None
+    (length,) = _LENGTH.unpack(header)
+    if length > MAX_FRAME:
+        raise FrameTooLarge(
+            f"peer announced a {length} B frame; the limit is {MAX_FRAME} B",
+            hint="the peer is not a kvwire daemon of this version, or is broken",
+        )
+    try:
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(
+            f"stream ended inside a frame ({len(exc.partial)} of {length} B)"
+        ) from exc
+    return decode(body, schema)

@@ -1,0 +1,434 @@
+"""The receiver daemon (decode node).
+
+It owns the receive pool, leases slots of it to senders' requests, learns
+from immediates which layers have landed, tells subscribed decode engines,
+and takes slots back when engines release them. A lease is live from the
+``lease`` message until release or abort; an immediate naming a lease that
+is not live is dropped, so an aborted request is never announced as data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import zlib
+from dataclasses import dataclass, field
+
+import structlog
+
+from . import immediate
+from .config import ReceiverConfig, parse_address
+from .control import ControlConnection
+from .errors import (
+    ConfigError,
+    DuplicateRequest,
+    KvwireError,
+    PeerLost,
+    ProtocolError,
+    RequestAborted,
+    RequestTooLarge,
+    UsageError,
+)
+from .layout import RequestShape
+from .localsock import close_quietly, send_with_fd, serve_unix
+from .metrics import Metrics
+from .pool import Pool, Slot
+from .protocol import RECEIVER_LOCAL, Message, encode, error_message, message, read_message
+from .tasks import spawn
+from .transport.base import RemoteRegion, Responder
+from .transport.tcp import TcpTransport
+
+log = structlog.get_logger("kvwired.receiver")
+
+HELLO_TIMEOUT = 10.0
+
+
+class Consumer:
+    """A decode engine on the unix socket."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+
+    def send(self, msg: Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+
+@dataclass(eq=False)
+class Lease:
+    id: int
+    req: str
+    shape: RequestShape
+    slot: Slot
+    session: SenderSession
+    state: str = "filling"  # filling -> landed -> complete; or aborting
+    landed: int = 0
+    checksum: int = 0
+    opened_at: float = 0.0
+
+
+@dataclass(eq=False)
+class SenderSession:
+    """One connected sender: its control connection and data-path responder."""
+
+    conn: ControlConnection
+    name: str = "?"
+    responder: Responder | None = None
+    leases: set[int] = field(default_factory=set)
+    credits_to_return: int = 0
+    alive: bool = True
+
+
+class ReceiverDaemon:
+    def __init__(self, config: ReceiverConfig) -> None:
+        self.config = config
+        self.metrics = Metrics("receiver")
+        self.pool: Pool | None = None
+        self.transport = TcpTransport(
+            parse_address(config.listen, 7471)[0], config.data_port
+        )
+        self.region: RemoteRegion | None = None
+        self.leases: dict[int, Lease] = {}
+        self.by_req: dict[str, Lease] = {}
+        self.subscribers: dict[str, set[Consumer]] = {}
+        self.sessions: set[SenderSession] = set()
+        self._next_lease = 1
+        self._servers: list[asyncio.AbstractServer] = []
+        self.control_port = 0
+        self.metrics_port = 0
+
+    # ----------------------------------------------------------- life cycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.pool = Pool(cfg.pool_size, "receive")
+        self.region = await self.transport.start(self.pool.memory)
+        await self.transport.listen()
+        host, port = parse_address(cfg.listen, 7471)
+        try:
+            control = await asyncio.start_server(self._serve_sender, host, port, reuse_address=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot listen for senders on {host}:{port}: {exc.strerror}",
+                hint="pick a free port with --listen",
+            ) from exc
+        self._servers.append(control)
+        self.control_port = int(control.sockets[0].getsockname()[1])
+        self._servers.append(await serve_unix(cfg.socket, self._serve_consumer))
+        self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
+        self._update_pool_metrics()
+        log.info(
+            "receiver ready",
+            name=cfg.name,
+            control=f"{host}:{self.control_port}",
+            data_port=self.transport.port,
+            socket=cfg.socket,
+            pool_bytes=cfg.pool_size,
+            metrics_port=self.metrics_port,
+        )
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        for session in list(self.sessions):
+            self._drop_session(session, PeerLost("the receiver is shutting down"))
+        await self.transport.stop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket)
+
+    # ------------------------------------------------------------- senders
+
+    async def _serve_sender(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        conn = ControlConnection(reader, writer, self.config.heartbeat, "sender")
+        session = SenderSession(conn)
+        try:
+            await self._handshake(session)
+            self.sessions.add(session)
+            self.metrics.peers.set(len(self.sessions))
+            conn.start_pinging()
+            async for msg in conn.messages():
+                self._dispatch(session, msg)
+        except KvwireError as exc:
+            if isinstance(exc, ProtocolError):
+                self.metrics.protocol_errors.labels("control").inc()
+            log.warning("sender connection ended", sender=session.name,
+                        peer=conn.peer_address, error=str(exc))
+            conn.fail(exc)
+            self._drop_session(session, exc if isinstance(exc, PeerLost) else
+                               PeerLost(f"sender {session.name} dropped: {exc}"))
+        finally:
+            conn.close()
+
+    async def _handshake(self, session: SenderSession) -> None:
+        conn = session.conn
+        hello = await conn.recv(HELLO_TIMEOUT)
+        if hello["t"] != "hello" or hello["role"] != "sender":
+            raise ProtocolError(f"expected a sender's hello, got {hello['t']!r}")
+        session.name = hello["name"]
+        conn.label = f"sender {session.name}"
+        if self.transport.name not in hello["transports"]:
+            raise ProtocolError(
+                f"sender {session.name} offers transports {hello['transports']}, "
+                f"this receiver runs {self.transport.name}",
+                hint="configure the same transport on both daemons",
+            )
+        assert self.region is not None
+        conn.send(message("welcome", name=self.config.name, transport=self.transport.name,
+                          credits=self.config.credits, region=self.region.to_wire()))
+        connect = await conn.recv(HELLO_TIMEOUT)
+        if connect["t"] != "connect":
+            raise ProtocolError(f"expected connect, got {connect['t']!r}")
+        session.responder = self.transport.responder(
+            conn.local_host,
+            lambda imm: self._on_immediate(session, imm),
+            lambda exc: self._on_data_error(session, exc),
+        )
+        answer = await session.responder.accept(connect["params"])
+        conn.send(message("ready", params=answer))
+        log.info("sender connected", sender=session.name, peer=conn.peer_address)
+
+    def _dispatch(self, session: SenderSession, msg: Message) -> None:
+        kind = msg["t"]
+        if kind == "open":
+            spawn(self._open(session, msg), f"open-{msg['req']}")
+        elif kind == "abort":
+            lease = self.leases.get(msg["lease"])
+            if lease is not None and lease.session is session and lease.state != "complete":
+                log.info("sender aborted request", req=lease.req, reason=msg["error"])
+                self._fail_lease(lease, RequestAborted(
+                    f"the sender aborted request {lease.req}: {msg['error'].get('message')}"))
+        elif kind == "abort_ack":
+            lease = self.leases.get(msg["lease"])
+            if lease is not None and lease.session is session and lease.state == "aborting":
+                self._free_lease(lease)
+        elif kind == "error":
+            raise PeerLost(f"sender {session.name} reported: {msg['error'].get('message')}")
+        else:
+            raise ProtocolError(f"a sender may not send {kind!r}")
+
+    async def _open(self, session: SenderSession, msg: Message) -> None:
+        req = msg["req"]
+        try:
+            shape = RequestShape.from_wire(msg["shape"])
+            if shape.layers > immediate.MAX_LAYERS:
+                raise RequestTooLarge(
+                    f"request {req} has {shape.layers} layers; at most "
+                    f"{immediate.MAX_LAYERS} are supported"
+                )
+            if req in self.by_req:
+                raise DuplicateRequest(
+                    f"request {req} is already held by this receiver",
+                    hint="request ids must be unique until the decode engine releases them",
+                )
+            assert self.pool is not None
+            slot = await self.pool.reserve(shape.total_bytes, self.config.lease_wait)
+        except (KvwireError, KeyError, TypeError, ValueError) as exc:
+            error = exc if isinstance(exc, KvwireError) else ProtocolError(f"bad shape: {exc}")
+            log.info("request refused", req=req, sender=session.name, reason=str(error))
+            self.metrics.requests.labels(session.name, "refused").inc()
+            session.conn.send(message("refused", req=req, error=error.to_wire()))
+            return
+        assert self.pool is not None
+        if not session.alive or req in self.by_req:
+            self.pool.release(slot)
+            if session.alive:
+                session.conn.send(message("refused", req=req, error=DuplicateRequest(
+                    f"request {req} is already held by this receiver").to_wire()))
+            return
+        lease = Lease(self._new_lease_id(), req, shape, slot, session,
+                      opened_at=asyncio.get_running_loop().time())
+        self.leases[lease.id] = lease
+        self.by_req[req] = lease
+        session.leases.add(lease.id)
+        self._update_pool_metrics()
+        session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset))
+
+    def _new_lease_id(self) -> int:
+        while True:
+            lease_id = self._next_lease
+            self._next_lease = self._next_lease % (immediate.LEASE_SPACE - 1) + 1
+            if lease_id not in self.leases:
+                return lease_id
+
+    # ---------------------------------------------------------- data path
+
+    def _on_immediate(self, session: SenderSession, imm: int) -> None:
+        self._return_credit(session)
+        lease_id, layer = immediate.unpack(imm)
+        lease = self.leases.get(lease_id)
+        if (lease is None or lease.session is not session or lease.state != "filling"
+                or not lease.landed <= layer < lease.shape.layers):
+            self.metrics.stale_immediates.inc()
+            log.debug("stale immediate dropped", lease=lease_id, layer=layer)
+            return
+        for n in range(lease.landed, layer + 1):
+            self._notify(lease.req, message("layer", req=lease.req, layer=n))
+        new_bytes = (layer + 1 - lease.landed) * lease.shape.layer_bytes
+        self.metrics.bytes.labels(session.name, "received").inc(new_bytes)
+        lease.landed = layer + 1
+        if lease.landed == lease.shape.layers:
+            lease.state = "landed"
+            spawn(self._complete(lease), f"complete-{lease.req}")
+
+    def _return_credit(self, session: SenderSession) -> None:
+        # Credits go back in one message per loop turn, not one per immediate.
+        session.credits_to_return += 1
+        if session.credits_to_return == 1:
+            asyncio.get_running_loop().call_soon(self._flush_credits, session)
+
+    def _flush_credits(self, session: SenderSession) -> None:
+        if session.credits_to_return and session.alive:
+            session.conn.send(message("credits", n=session.credits_to_return))
+        session.credits_to_return = 0
+
+    async def _complete(self, lease: Lease) -> None:
+        assert self.pool is not None
+        start = lease.slot.offset
+        view = self.pool.memory.view[start : start + lease.shape.total_bytes]
+        # zlib releases the GIL on large buffers: the loop keeps serving.
+        checksum = await asyncio.to_thread(zlib.crc32, view)
+        if lease.state != "landed" or self.leases.get(lease.id) is not lease:
+            return
+        lease.state = "complete"
+        lease.checksum = checksum
+        elapsed = asyncio.get_running_loop().time() - lease.opened_at
+        self.metrics.requests.labels(lease.session.name, "delivered").inc()
+        self.metrics.request_seconds.labels(lease.session.name).observe(elapsed)
+        lease.session.conn.send(message("delivered", req=lease.req, lease=lease.id,
+                                        checksum=checksum))
+        self._notify(lease.req, self._complete_message(lease))
+        log.info("request delivered", req=lease.req, sender=lease.session.name,
+                 bytes=lease.shape.total_bytes, seconds=round(elapsed, 6))
+
+    @staticmethod
+    def _complete_message(lease: Lease) -> Message:
+        return message("complete", req=lease.req, offset=lease.slot.offset,
+                       length=lease.shape.total_bytes, layers=lease.shape.layers,
+                       checksum=lease.checksum)
+
+    def _on_data_error(self, session: SenderSession, exc: Exception) -> None:
+        log.warning("data path failed", sender=session.name, error=str(exc))
+        session.conn.close()  # ends the session loop, which drops the session
+
+    # --------------------------------------------------- lease bookkeeping
+
+    def _fail_lease(self, lease: Lease, error: KvwireError) -> None:
+        """The request will not be delivered: tell subscribers, free its slot."""
+        if lease.state in ("filling", "landed", "aborting"):
+            self.metrics.requests.labels(lease.session.name, "failed").inc()
+            self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
+        self._free_lease(lease)
+
+    def _free_lease(self, lease: Lease) -> None:
+        if self.leases.get(lease.id) is not lease:
+            return
+        del self.leases[lease.id]
+        self.by_req.pop(lease.req, None)
+        lease.session.leases.discard(lease.id)
+        lease.state = "freed"
+        assert self.pool is not None
+        self.pool.release(lease.slot)
+        self._update_pool_metrics()
+
+    def _drop_session(self, session: SenderSession, error: KvwireError) -> None:
+        if not session.alive:
+            return
+        session.alive = False
+        self.sessions.discard(session)
+        self.metrics.peers.set(len(self.sessions))
+        if session.responder is not None:
+            session.responder.close()
+        for lease_id in list(session.leases):
+            lease = self.leases[lease_id]
+            if lease.state != "complete":
+                # The connection is gone, so no write of it can land any more.
+                self._fail_lease(lease, error)
+
+    def _abort_by_receiver(self, lease: Lease, error: KvwireError) -> None:
+        """Stop a request still filling; its slot is freed once the sender confirms."""
+        self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
+        self.metrics.requests.labels(lease.session.name, "aborted").inc()
+        lease.state = "aborting"
+        lease.session.conn.send(message("abort", req=lease.req, lease=lease.id,
+                                        error=error.to_wire()))
+
+    def _update_pool_metrics(self) -> None:
+        assert self.pool is not None
+        self.metrics.set_pool("receive", self.pool.size, self.pool.used_bytes)
+
+    # ----------------------------------------------------------- consumers
+
+    def _notify(self, req: str, msg: Message) -> None:
+        for consumer in self.subscribers.get(req, ()):
+            consumer.send(msg)
+
+    async def _serve_consumer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        consumer = Consumer(writer)
+        subscribed: set[str] = set()
+        self.metrics.clients.inc()
+        try:
+            hello = await asyncio.wait_for(read_message(reader, RECEIVER_LOCAL), HELLO_TIMEOUT)
+            if hello is None or hello["t"] != "hello":
+                raise ProtocolError("expected hello")
+            assert self.pool is not None
+            fd = self.pool.memory.readonly_fd()
+            try:
+                send_with_fd(writer, message("welcome", name=self.config.name,
+                                             pool_size=self.pool.size), fd)
+            finally:
+                os.close(fd)
+            while (msg := await read_message(reader, RECEIVER_LOCAL)) is not None:
+                if msg["t"] == "subscribe":
+                    subscribed.add(msg["req"])
+                    self._subscribe(consumer, msg["req"])
+                elif msg["t"] == "release":
+                    self._release(consumer, msg["req"])
+                else:
+                    raise ProtocolError(f"a decode engine may not send {msg['t']!r}")
+        except (KvwireError, TimeoutError) as exc:
+            error = exc if isinstance(exc, KvwireError) else ProtocolError("no hello in time")
+            self.metrics.protocol_errors.labels("receiver_local").inc()
+            log.warning("decode engine connection rejected", error=str(error))
+            with contextlib.suppress(Exception):
+                writer.write(encode(error_message(error)))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for req in subscribed:
+                subs = self.subscribers.get(req)
+                if subs is not None:
+                    subs.discard(consumer)
+                    if not subs:
+                        del self.subscribers[req]
+            self.metrics.clients.dec()
+            close_quietly(writer)
+
+    def _subscribe(self, consumer: Consumer, req: str) -> None:
+        self.subscribers.setdefault(req, set()).add(consumer)
+        lease = self.by_req.get(req)
+        if lease is None:
+            return  # not opened yet: events follow when it is
+        for n in range(lease.landed):
+            consumer.send(message("layer", req=req, layer=n))
+        if lease.state == "complete":
+            consumer.send(self._complete_message(lease))
+
+    def _release(self, consumer: Consumer, req: str) -> None:
+        lease = self.by_req.get(req)
+        if lease is None:
+            consumer.send(message("failed", req=req, error=UsageError(
+                f"request {req} is not held by this receiver",
+                hint="release only requests you subscribed to and saw complete").to_wire()))
+            return
+        if lease.state == "complete":
+            self._free_lease(lease)
+        elif lease.state in ("filling", "landed"):
+            self._abort_by_receiver(lease, RequestAborted(
+                f"the decode engine released request {req} before it was delivered"))
+        self.subscribers.pop(req, None)
+        consumer.send(message("released", req=req))

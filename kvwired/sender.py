@@ -1,0 +1,495 @@
+"""The sender daemon (prefill node).
+
+Prefill engines open pushes on the unix socket, write layers into the
+shared staging pool and commit them; for each commit the daemon posts the
+layer's chunks as one-sided writes into the slot the receiver leased, the
+last write carrying the immediate that announces the layer. One ``Push``
+follows one request; one ``PeerLink`` holds the control connection and data
+channel to one receiver and is rebuilt on the next request after a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from . import immediate
+from .config import SenderConfig, parse_address
+from .control import ControlConnection
+from .errors import (
+    DeadlineExceeded,
+    DuplicateRequest,
+    KvwireError,
+    PeerLost,
+    ProtocolError,
+    RequestAborted,
+    UnknownPeer,
+    UsageError,
+    from_wire,
+)
+from .layout import ChunkCursor, RequestShape
+from .localsock import close_quietly, send_with_fd, serve_unix
+from .metrics import Metrics
+from .pool import Pool, Slot
+from .protocol import SENDER_LOCAL, Message, encode, error_message, message, read_message
+from .tasks import spawn
+from .transport.base import DataChannel, RemoteRegion, Write
+from .transport.tcp import TcpTransport
+
+log = structlog.get_logger("kvwired.sender")
+
+HELLO_TIMEOUT = 10.0
+
+
+class Engine:
+    """A prefill engine on the unix socket."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.pushes: dict[str, Push] = {}
+
+    def send(self, msg: Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+
+@dataclass(eq=False)
+class Push:
+    req: str
+    engine: Engine
+    link: PeerLink
+    shape: RequestShape
+    chunk_bytes: int
+    staging: Slot
+    lease: int
+    remote_offset: int
+    deadline: float | None
+    opened_at: float
+    granted_at: float
+    commits: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    posts: list[asyncio.Future[None]] = field(default_factory=list)
+    delivered: asyncio.Future[int] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    error: KvwireError | None = None
+    aborted_by_receiver: bool = False
+    post_seconds: float = 0.0
+    first_commit_at: float = 0.0
+    last_commit_at: float = 0.0
+    writes: int = 0
+    driver: asyncio.Task[None] | None = None
+
+
+class PeerLink:
+    """Control connection + data channel to one named receiver."""
+
+    def __init__(self, daemon: SenderDaemon, name: str, address: str) -> None:
+        self.daemon = daemon
+        self.name = name
+        self.address = address
+        self.conn: ControlConnection | None = None
+        self.channel: DataChannel | None = None
+        self.credits = 0
+        self._credit_freed = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self._opening: dict[str, asyncio.Future[tuple[int, int]]] = {}
+        self.pushes: dict[int, Push] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def connected(self) -> bool:
+        return (self.conn is not None and not self.conn.closed
+                and self.channel is not None and self.channel.alive)
+
+    async def ensure(self) -> None:
+        async with self._lock:
+            if self.connected:
+                return
+            self.lost(PeerLost(f"connection to receiver {self.name} is being rebuilt"))
+            await self._connect()
+
+    async def _connect(self) -> None:
+        cfg = self.daemon.config
+        host, port = parse_address(self.address, 7471)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), cfg.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise PeerLost(
+                f"cannot reach receiver {self.name} at {host}:{port}: "
+                f"{getattr(exc, 'strerror', None) or exc or 'timed out'}",
+                hint="is kvwired receiver running there, and is the port reachable?",
+            ) from exc
+        conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
+        try:
+            transport = self.daemon.transport
+            conn.send(message("hello", role="sender", name=cfg.name,
+                              transports=[transport.name]))
+            welcome = await self._expect(conn, "welcome")
+            remote = RemoteRegion.from_wire(welcome["region"])
+            initiator = transport.initiator()
+            conn.send(message("connect", params=await initiator.offer()))
+            ready = await self._expect(conn, "ready")
+            self.channel = await initiator.complete(ready["params"], remote)
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = conn
+        self.credits = int(welcome["credits"])
+        conn.start_pinging()
+        self._reader = spawn(self._read(conn), f"link-{self.name}")
+        self.daemon.metrics.peers.inc()
+        log.info("connected to receiver", peer=self.name, address=self.address,
+                 transport=transport.name, credits=self.credits)
+
+    async def _expect(self, conn: ControlConnection, kind: str) -> Message:
+        msg = await conn.recv(self.daemon.config.connect_timeout)
+        if msg["t"] == "error":
+            raise from_wire(msg["error"])
+        if msg["t"] != kind:
+            raise ProtocolError(f"receiver {self.name} sent {msg['t']!r}, expected {kind!r}")
+        return msg
+
+    async def _read(self, conn: ControlConnection) -> None:
+        try:
+            async for msg in conn.messages():
+                self._dispatch(msg)
+        except KvwireError as exc:
+            if self.conn is conn:
+                log.warning("receiver connection lost", peer=self.name, error=str(exc))
+                conn.fail(exc)
+                self.lost(exc if isinstance(exc, PeerLost) else PeerLost(
+                    f"receiver {self.name}: {exc}"))
+
+    def _dispatch(self, msg: Message) -> None:
+        kind = msg["t"]
+        if kind in ("lease", "refused"):
+            future = self._opening.pop(msg["req"], None)
+            if future is None or future.done():
+                return
+            if kind == "lease":
+                future.set_result((msg["lease"], msg["offset"]))
+            else:
+                future.set_exception(from_wire(msg["error"]))
+        elif kind == "delivered":
+            push = self.pushes.get(msg["lease"])
+            if push is not None and not push.delivered.done():
+                push.delivered.set_result(msg["checksum"])
+        elif kind == "abort":
+            push = self.pushes.get(msg["lease"])
+            if push is not None:
+                push.aborted_by_receiver = True
+                self.daemon.fail_push(push, from_wire(msg["error"]))
+        elif kind == "credits":
+            self.credits += msg["n"]
+            self._credit_freed.set()
+        elif kind == "error":
+            raise PeerLost(f"receiver {self.name} reported: {msg['error'].get('message')}")
+        else:
+            raise ProtocolError(f"a receiver may not send {kind!r}")
+
+    async def open(self, req: str, shape: RequestShape) -> tuple[int, int]:
+        assert self.conn is not None
+        if req in self._opening:
+            raise DuplicateRequest(f"request {req} is already being opened")
+        future: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self._opening[req] = future
+        self.conn.send(message("open", req=req, shape=shape.to_wire()))
+        try:
+            return await future
+        finally:
+            self._opening.pop(req, None)
+
+    async def take_credit(self) -> None:
+        # One credit per immediate in flight: the receiver never sees more
+        # immediates than it has receives posted for.
+        while self.credits <= 0:
+            if not self.connected:
+                raise PeerLost(f"receiver {self.name} went away")
+            event = self._credit_freed
+            await event.wait()
+            if event is self._credit_freed:
+                self._credit_freed = asyncio.Event()
+        self.credits -= 1
+
+    def lost(self, error: KvwireError) -> None:
+        """Fail everything in flight on this link and forget the connection."""
+        conn, channel = self.conn, self.channel
+        self.conn = self.channel = None
+        if conn is not None:
+            conn.close()
+            self.daemon.metrics.peers.dec()
+        if channel is not None:
+            channel.close()
+        for future in self._opening.values():
+            if not future.done():
+                future.set_exception(error)
+        self._opening.clear()
+        for push in list(self.pushes.values()):
+            self.daemon.fail_push(push, error)
+        self._credit_freed.set()
+
+    def send(self, msg: Message) -> None:
+        if self.conn is not None:
+            self.conn.send(msg)
+
+
+class SenderDaemon:
+    def __init__(self, config: SenderConfig) -> None:
+        self.config = config
+        self.metrics = Metrics("sender")
+        self.staging: Pool | None = None
+        self.transport = TcpTransport()
+        self.links = {name: PeerLink(self, name, addr) for name, addr in config.peers.items()}
+        self.pushes: dict[str, Push] = {}
+        self._servers: list[asyncio.AbstractServer] = []
+        self.metrics_port = 0
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.staging = Pool(cfg.staging_size, "staging")
+        await self.transport.start(self.staging.memory)
+        self._servers.append(await serve_unix(cfg.socket, self._serve_engine))
+        self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
+        self._update_pool_metrics()
+        log.info("sender ready", name=cfg.name, socket=cfg.socket,
+                 staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
+                 chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        for link in self.links.values():
+            link.lost(PeerLost("the sender is shutting down"))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket)
+
+    def _update_pool_metrics(self) -> None:
+        assert self.staging is not None
+        self.metrics.set_pool("staging", self.staging.size, self.staging.used_bytes)
+        self.metrics.inflight.set(len(self.pushes))
+
+    # ------------------------------------------------------------- engines
+
+    async def _serve_engine(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        engine = Engine(writer)
+        self.metrics.clients.inc()
+        try:
+            hello = await asyncio.wait_for(read_message(reader, SENDER_LOCAL), HELLO_TIMEOUT)
+            if hello is None or hello["t"] != "hello":
+                raise ProtocolError("expected hello")
+            assert self.staging is not None
+            send_with_fd(writer, message("welcome", name=self.config.name,
+                                         pool_size=self.staging.size), self.staging.memory.fd)
+            while (msg := await read_message(reader, SENDER_LOCAL)) is not None:
+                self._dispatch_engine(engine, msg)
+        except (KvwireError, TimeoutError) as exc:
+            error = exc if isinstance(exc, KvwireError) else ProtocolError("no hello in time")
+            self.metrics.protocol_errors.labels("sender_local").inc()
+            log.warning("prefill engine connection rejected", error=str(error))
+            with contextlib.suppress(Exception):
+                writer.write(encode(error_message(error)))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for push in list(engine.pushes.values()):
+                self.fail_push(push, RequestAborted(
+                    f"the prefill engine disconnected before request {push.req} was delivered"))
+            self.metrics.clients.dec()
+            close_quietly(writer)
+
+    def _dispatch_engine(self, engine: Engine, msg: Message) -> None:
+        kind, req = msg["t"], msg.get("req", "")
+        if kind == "open":
+            spawn(self._open(engine, msg), f"open-{req}")
+            return
+        push = engine.pushes.get(req)
+        if push is None:
+            engine.send(message("failed", req=req, error=UsageError(
+                f"no open request {req!r} on this connection",
+                hint="open it first; a failed request must be opened again").to_wire()))
+        elif kind == "commit":
+            if push.first_commit_at == 0.0:
+                push.first_commit_at = time.monotonic()
+            push.commits.put_nowait(msg["layer"])
+        elif kind == "abort":
+            self.fail_push(push, RequestAborted(f"the prefill engine aborted request {req}"))
+        else:
+            raise ProtocolError(f"a prefill engine may not send {kind!r}")
+
+    async def _open(self, engine: Engine, msg: Message) -> None:
+        req = msg["req"]
+        opened_at = time.monotonic()
+        deadline = msg.get("deadline")
+        try:
+            async with asyncio.timeout(deadline):
+                push = await self._reserve(engine, msg, opened_at)
+        except TimeoutError:
+            engine.send(message("failed", req=req, error=DeadlineExceeded(
+                f"request {req} could not be opened within its {deadline:g} s deadline").to_wire()))
+            return
+        except KvwireError as exc:
+            log.info("push refused", req=req, peer=msg["peer"], reason=str(exc))
+            engine.send(message("failed", req=req, error=exc.to_wire()))
+            return
+        except Exception as exc:
+            log.exception("internal error opening a push", req=req)
+            engine.send(message("failed", req=req, error=KvwireError(
+                f"internal error in the sender daemon: {exc!r}",
+                hint="this is a bug in kvwire; the daemon log has the traceback").to_wire()))
+            return
+        if deadline is not None:
+            push.deadline = opened_at + float(deadline)
+        engine.pushes[req] = push
+        push.link.pushes[push.lease] = push
+        self.pushes[req] = push
+        self._update_pool_metrics()
+        push.driver = spawn(self._drive(push), f"push-{req}")
+        engine.send(message("opened", req=req, offset=push.staging.offset,
+                            chunk_bytes=push.chunk_bytes))
+
+    async def _reserve(self, engine: Engine, msg: Message, opened_at: float) -> Push:
+        req, peer = msg["req"], msg["peer"]
+        link = self.links.get(peer)
+        if link is None:
+            raise UnknownPeer(
+                f"no receiver named {peer!r} is configured",
+                hint=f"known peers: {', '.join(sorted(self.links)) or 'none'}; add it to "
+                "[peers] in the sender config",
+            )
+        if req in self.pushes:
+            raise DuplicateRequest(f"request {req} is already being pushed")
+        try:
+            shape = RequestShape.from_wire(msg["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad shape for request {req}: {exc}") from exc
+        if shape.layers > immediate.MAX_LAYERS:
+            raise UsageError(f"request {req} has {shape.layers} layers; at most "
+                             f"{immediate.MAX_LAYERS} are supported")
+        chunk_bytes = int(msg.get("chunk_bytes") or self.config.chunk_bytes)
+        if chunk_bytes < 1:
+            raise UsageError(f"chunk size {chunk_bytes} B is not positive")
+        assert self.staging is not None
+        staging = await self.staging.reserve(shape.total_bytes, self.config.staging_wait)
+        self._update_pool_metrics()
+        try:
+            await link.ensure()
+            lease, remote_offset = await link.open(req, shape)
+        except BaseException:
+            self.staging.release(staging)
+            self._update_pool_metrics()
+            raise
+        return Push(req, engine, link, shape, chunk_bytes, staging, lease, remote_offset,
+                    None, opened_at, time.monotonic())
+
+    # ----------------------------------------------------------- data path
+
+    async def _drive(self, push: Push) -> None:
+        link = push.link
+        cursor = ChunkCursor(push.shape, push.chunk_bytes)
+        peer_bytes = self.metrics.bytes.labels(link.name, "sent")
+        peer_writes = self.metrics.writes.labels(link.name, "sent")
+        try:
+            async with asyncio.timeout_at(self._loop_deadline(push)):
+                while not cursor.done:
+                    layer = await push.commits.get()
+                    batch = cursor.commit(layer)
+                    if batch is None:
+                        continue
+                    await link.take_credit()
+                    channel = link.channel
+                    if channel is None:
+                        raise PeerLost(f"receiver {link.name} went away")
+                    started = time.perf_counter()
+                    base_local, base_remote = push.staging.offset, push.remote_offset
+                    writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
+                              for c in batch.chunks]
+                    push.posts.append(channel.post(
+                        writes, immediate.pack(push.lease, batch.completes_layer)))
+                    push.post_seconds += time.perf_counter() - started
+                    push.writes += len(writes)
+                    peer_writes.inc(len(writes))
+                    peer_bytes.inc(sum(c.length for c in batch.chunks))
+                push.last_commit_at = time.monotonic()
+                await asyncio.gather(*push.posts)
+                checksum = await push.delivered
+        except TimeoutError:
+            self.fail_push(push, DeadlineExceeded(
+                f"request {push.req} missed its deadline"))
+            return
+        except KvwireError as exc:
+            self.fail_push(push, exc)
+            return
+        except Exception as exc:
+            log.exception("internal error driving a push", req=push.req)
+            self.fail_push(push, KvwireError(f"internal error in the sender daemon: {exc!r}"))
+            return
+        self._finish_push(push, checksum)
+
+    def _loop_deadline(self, push: Push) -> float | None:
+        if push.deadline is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return loop.time() + (push.deadline - time.monotonic())
+
+    def _finish_push(self, push: Push, checksum: int) -> None:
+        now = time.monotonic()
+        timings = {
+            "open_seconds": push.granted_at - push.opened_at,
+            "transfer_seconds": now - (push.first_commit_at or push.granted_at),
+            "total_seconds": now - push.opened_at,
+            "post_seconds": push.post_seconds,
+            "drain_seconds": now - (push.last_commit_at or now),
+            "bytes": push.shape.total_bytes,
+            "writes": push.writes,
+        }
+        self._forget(push)
+        self.metrics.requests.labels(push.link.name, "delivered").inc()
+        self.metrics.request_seconds.labels(push.link.name).observe(timings["total_seconds"])
+        push.engine.send(message("finished", req=push.req, checksum=checksum, timings=timings))
+
+    def fail_push(self, push: Push, error: KvwireError) -> None:
+        """End a push that will not be delivered; cleanup runs in the background."""
+        if push.error is not None or self.pushes.get(push.req) is not push:
+            return
+        push.error = error
+        if push.driver is not None and asyncio.current_task() is not push.driver:
+            push.driver.cancel()
+        spawn(self._cleanup_failed(push), f"abort-{push.req}")
+
+    async def _cleanup_failed(self, push: Push) -> None:
+        assert push.error is not None
+        # The staging slot may only be reused once no write still reads it,
+        # and the receiver may only reuse its slot once none can still land.
+        await asyncio.gather(*push.posts, return_exceptions=True)
+        link = push.link
+        if link.connected:
+            if push.aborted_by_receiver:
+                link.send(message("abort_ack", req=push.req, lease=push.lease))
+            else:
+                link.send(message("abort", req=push.req, lease=push.lease,
+                                  error=push.error.to_wire()))
+        elif link.conn is not None:
+            # The data channel died under a live control connection: drop both,
+            # so the receiver voids every lease of this link.
+            link.lost(PeerLost(f"the data channel to receiver {link.name} failed"))
+        self._forget(push)
+        self.metrics.requests.labels(link.name, "failed").inc()
+        log.warning("push failed", req=push.req, peer=link.name, error=str(push.error))
+        push.engine.send(message("failed", req=push.req, error=push.error.to_wire()))
+
+    def _forget(self, push: Push) -> None:
+        if self.pushes.get(push.req) is push:
+            del self.pushes[push.req]
+        push.engine.pushes.pop(push.req, None)
+        push.link.pushes.pop(push.lease, None)
+        assert self.staging is not None
+        self.staging.release(push.staging)
+        self._update_pool_metrics()

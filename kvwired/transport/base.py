@@ -1,0 +1,115 @@
+"""The one interface every data path implements: one-sided writes.
+
+The shape follows RDMA verbs, so the daemons never learn which transport
+they run over:
+
+- memory is *registered* once and addressed remotely by (region key, offset);
+- the initiator *posts* a list of writes local→remote and is told when all of
+  them have been placed in the remote memory (one signalled completion per
+  post, because per-work-request completions are what small chunks cannot
+  afford);
+- a write may carry a 32-bit *immediate*, which the responder sees, after the
+  bytes it follows, as a receive completion;
+- any failure fails the channel: every outstanding post fails with the
+  reason, and the daemon tears the channel down and builds a new one.
+
+Connections are bootstrapped over the daemons' control connection: the
+initiator makes an *offer*, the responder answers, the initiator completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..pool import SharedMemory
+
+ImmediateHandler = Callable[[int], None]
+ErrorHandler = Callable[[Exception], None]
+
+
+@dataclass(frozen=True)
+class Write:
+    """Copy ``length`` bytes from local ``local_offset`` to remote ``remote_offset``."""
+
+    local_offset: int
+    remote_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """What a responder tells initiators about its registered memory."""
+
+    key: int
+    size: int
+
+    def to_wire(self) -> dict[str, int]:
+        return {"key": self.key, "size": self.size}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> RemoteRegion:
+        return cls(int(data["key"]), int(data["size"]))
+
+
+class DataChannel(ABC):
+    """The initiator's end of a connection: posts writes in order."""
+
+    @abstractmethod
+    def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
+        """Queue ``writes`` in order; the last carries ``imm`` if given.
+
+        Never blocks. The future resolves when every write of this post has
+        been placed remotely, or fails with a ``TransportError``.
+        """
+
+    @property
+    @abstractmethod
+    def alive(self) -> bool:
+        """False once the channel has failed or been closed."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Responder(ABC):
+    """The receiving end, made for one initiator."""
+
+    @abstractmethod
+    async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
+        """Prepare to receive (receives posted, listener armed); return the answer."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Initiator(ABC):
+    @abstractmethod
+    async def offer(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    async def complete(self, answer: dict[str, Any], remote: RemoteRegion) -> DataChannel: ...
+
+
+class Transport(ABC):
+    """A kind of data path (``tcp``, ``verbs``) bound to one daemon's memory."""
+
+    name: str
+
+    @abstractmethod
+    async def start(self, memory: SharedMemory) -> RemoteRegion:
+        """Register ``memory`` (and bind listeners); return its remote description."""
+
+    @abstractmethod
+    def initiator(self) -> Initiator: ...
+
+    @abstractmethod
+    def responder(
+        self, advertise_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
+    ) -> Responder: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
