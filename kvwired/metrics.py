@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 from . import __version__
+from .errors import ConfigError
 
 # From 50 us to 60 s: a 512 B write on a fast link up to a 48 MiB push
 # over Soft-RoCE under emulation.
@@ -74,5 +75,11 @@ class Metrics:
         """Start the HTTP endpoint (a thread); returns the bound port, 0 if off."""
         if port == 0:
             return 0
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror}",
+                hint="pick a free port with --metrics HOST:PORT (port 0 turns metrics off)",
+            ) from exc
         return int(server.server_port)

@@ -115,8 +115,9 @@ class ReceiverDaemon:
             ) from exc
         self._servers.append(control)
         self.control_port = int(control.sockets[0].getsockname()[1])
-        self._servers.append(await serve_unix(cfg.socket, self._serve_consumer))
         self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
+        # The unix socket comes last: once it accepts, the daemon is ready.
+        self._servers.append(await serve_unix(cfg.socket, self._serve_consumer))
         self._update_pool_metrics()
         log.info(
             "receiver ready",

@@ -254,8 +254,9 @@ class SenderDaemon:
         cfg = self.config
         self.staging = Pool(cfg.staging_size, "staging")
         await self.transport.start(self.staging.memory)
-        self._servers.append(await serve_unix(cfg.socket, self._serve_engine))
         self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
+        # The unix socket comes last: once it accepts, the daemon is ready.
+        self._servers.append(await serve_unix(cfg.socket, self._serve_engine))
         self._update_pool_metrics()
         log.info("sender ready", name=cfg.name, socket=cfg.socket,
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
@@ -417,6 +418,9 @@ class SenderDaemon:
                     push.writes += len(writes)
                     peer_writes.inc(len(writes))
                     peer_bytes.inc(sum(c.length for c in batch.chunks))
+                    # Let the data path start on this layer before the next
+                    # committed one is cut into writes.
+                    await asyncio.sleep(0)
                 push.last_commit_at = time.monotonic()
                 await asyncio.gather(*push.posts)
                 checksum = await push.delivered

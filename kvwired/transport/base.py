@@ -23,7 +23,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..pool import SharedMemory
 
@@ -31,8 +31,7 @@ ImmediateHandler = Callable[[int], None]
 ErrorHandler = Callable[[Exception], None]
 
 
-@dataclass(frozen=True)
-class Write:
+class Write(NamedTuple):
     """Copy ``length`` bytes from local ``local_offset`` to remote ``remote_offset``."""
 
     local_offset: int

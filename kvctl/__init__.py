@@ -1,0 +1,1 @@
+"""kvctl: experiments, pushes, status and test harnesses for kvwire daemons."""

@@ -1,0 +1,141 @@
+"""``kvctl``: push KV caches, check daemons, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import uuid
+
+from kvwired.client import (
+    DEFAULT_RECEIVER_SOCKET,
+    DEFAULT_SENDER_SOCKET,
+    ReceiverClient,
+    SenderClient,
+)
+from kvwired.errors import KvwireError
+from kvwired.layout import DTYPE_BYTES, KVLayout
+
+from . import table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvctl", description="Control and measure kvwire.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    push = commands.add_parser("push", help="push a KV cache through the local sender daemon")
+    push.add_argument("--peer", required=True, help="receiver name, as in the sender's [peers]")
+    push.add_argument("--socket", default=DEFAULT_SENDER_SOCKET, help="sender daemon socket")
+    push.add_argument("--file", help=".npy (first axis: layers) or .safetensors (one tensor a "
+                      "layer); default: a synthetic cache of the --layers.. shape")
+    push.add_argument("--layers", type=int, default=24)
+    push.add_argument("--tokens", type=int, default=4096)
+    push.add_argument("--kv-heads", type=int, default=2)
+    push.add_argument("--head-dim", type=int, default=64)
+    push.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    push.add_argument("--chunk", action="append", help="granularity (per-token-per-layer, "
+                      "per-token, per-layer, whole) or bytes; repeat to compare; default: the "
+                      "sender's")
+    push.add_argument("--count", type=int, default=1, help="pushes per chunk size")
+    push.add_argument("--concurrency", type=int, default=1, help="pushes in flight at once")
+    push.add_argument("--deadline", type=float, help="seconds each push may take")
+    push.add_argument("--verify-socket", nargs="?", const=DEFAULT_RECEIVER_SOCKET,
+                      help="receiver daemon socket on this machine: check every byte there "
+                      "and time the first layer")
+    push.add_argument("--json", action="store_true", help="one JSON object per push")
+
+    status = commands.add_parser("status", help="health and key figures of daemons")
+    status.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
+                        help="metrics endpoints (host:port or URL); default: the local "
+                        "receiver's and sender's")
+    status.add_argument("--json", action="store_true")
+
+    demo = commands.add_parser("demo", help="the end-to-end demo")
+    demo.add_argument("where", choices=["netns"], help="netns: two network namespaces (root)")
+    demo.add_argument("--repeat", type=int, default=3, help="pushes per granularity")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "push":
+            return asyncio.run(_push(args))
+        if args.command == "status":
+            return _status(args)
+        if args.command == "demo":
+            from .demo import netns_demo
+
+            asyncio.run(netns_demo(args.repeat))
+            return 0
+    except KvwireError as exc:
+        print(f"kvctl {args.command}: error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"  what to do: {exc.hint}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 1
+
+
+async def _push(args: argparse.Namespace) -> int:
+    from .push import HEADERS, PushRecord, push_one
+    from .source import from_file, synthetic
+
+    if args.file:
+        shape, data = from_file(args.file)
+        layout = None
+    else:
+        layout = KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
+        shape, data = layout.shape(), synthetic(layout)
+    sender = await SenderClient.connect(args.socket)
+    receiver = await ReceiverClient.connect(args.verify_socket) if args.verify_socket else None
+    records: list[PushRecord] = []
+    run = uuid.uuid4().hex[:8]
+    limit = asyncio.Semaphore(max(1, args.concurrency))
+
+    async def one(chunk: str | None, n: int) -> PushRecord:
+        async with limit:
+            return await push_one(sender, args.peer, f"kvctl-{run}-{chunk or 'default'}-{n}",
+                                  shape, data, chunk=_chunk(chunk, layout), receiver=receiver,
+                                  deadline=args.deadline)
+
+    try:
+        for chunk in args.chunk or [None]:
+            records += await asyncio.gather(*(one(chunk, n) for n in range(args.count)))
+    finally:
+        await sender.close()
+        if receiver is not None:
+            await receiver.close()
+    if args.json:
+        for record in records:
+            print(json.dumps(record.to_dict()))
+    else:
+        print(table.render(HEADERS, [r.row() for r in records]))
+    return 0
+
+
+def _chunk(spec: str | None, layout: KVLayout | None) -> str | int | None:
+    if spec is None or layout is None:
+        return spec
+    from kvwired.layout import resolve_chunk_bytes
+
+    return resolve_chunk_bytes(spec, layout)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from .status import HEADERS, row, scrape
+
+    statuses = [scrape(url) for url in args.urls]
+    if args.json:
+        print(json.dumps([{"url": s.url, "up": s.up, "error": s.error,
+                           "row": dict(zip(HEADERS, map(str, row(s)), strict=True))}
+                          for s in statuses]))
+    else:
+        print(table.render(HEADERS, [row(s) for s in statuses]))
+    return 0 if all(s.up for s in statuses) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Push KV caches through a local sender daemon and measure each push.
+
+Used by ``kvctl push`` and by the demo. When a receiver socket is at hand
+(same machine, or the two-namespace harness), the decode side is watched
+too: the time until the first layer lands there, and a byte-for-byte check
+of what arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvwired.client import LayerLanded, ReceiverClient, SenderClient
+from kvwired.errors import KvwireError
+from kvwired.layout import RequestShape
+from kvwired.units import format_size
+
+
+class VerificationFailed(KvwireError):
+    code = "verification"
+
+
+@dataclass
+class PushRecord:
+    req: str
+    chunk_bytes: int
+    bytes: int
+    writes: int
+    seconds: float  # open() to delivered, as the engine saw it
+    first_layer_seconds: float | None  # commit(0) to layer 0 seen by the decode engine
+    checksum: int
+    verified: bool | None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * 8 / self.seconds / 1e9
+
+    def row(self) -> list[object]:
+        first = "-" if self.first_layer_seconds is None else f"{self.first_layer_seconds * 1e3:.2f}"
+        verified = {None: "-", True: "yes", False: "NO"}[self.verified]
+        return [self.req, format_size(self.chunk_bytes), self.writes,
+                f"{self.seconds * 1e3:.1f}", f"{self.gbps:.2f}", first, verified]
+
+    def to_dict(self) -> dict[str, object]:
+        return {**asdict(self), "gbps": self.gbps}
+
+
+HEADERS = ["request", "chunk", "writes", "total ms", "Gb/s", "first layer ms", "byte-exact"]
+
+
+async def push_one(
+    sender: SenderClient,
+    peer: str,
+    req: str,
+    shape: RequestShape,
+    data: np.ndarray,
+    chunk: str | int | None = None,
+    receiver: ReceiverClient | None = None,
+    deadline: float | None = None,
+) -> PushRecord:
+    """Push ``data`` (uint8, ``shape.total_bytes`` long) as request ``req``."""
+    raw = memoryview(data.reshape(-1).view(np.uint8).data)
+    watcher: asyncio.Task[tuple[float | None, bool, int]] | None = None
+    first_commit = time.perf_counter()
+    if receiver is not None:
+        receiver.subscribe(req)
+        watcher = asyncio.create_task(_watch(receiver, req, raw))
+    try:
+        push = await sender.open(req, peer, shape, chunk=chunk, deadline=deadline)
+        for n in range(shape.layers):
+            offset, length = shape.layer_span(n)
+            push.layer(n)[:] = raw[offset : offset + length]
+            if n == 0:
+                first_commit = time.perf_counter()
+            push.commit(n)
+        result = await push.finish()
+    except BaseException:
+        if watcher is not None:
+            watcher.cancel()
+        raise
+    expected = zlib.crc32(raw)
+    if result.checksum != expected:
+        raise VerificationFailed(
+            f"request {req}: the receiver's checksum {result.checksum:#010x} is not the "
+            f"sent data's {expected:#010x}")
+    first_layer, verified = None, None
+    if watcher is not None:
+        landed_at, verified, _ = await watcher
+        first_layer = None if landed_at is None else landed_at - first_commit
+        if not verified:
+            raise VerificationFailed(f"request {req}: bytes at the receiver differ from those sent")
+    return PushRecord(req, push.chunk_bytes, shape.total_bytes, int(result.timings["writes"]),
+                      result.seconds, first_layer, result.checksum, verified)
+
+
+async def _watch(receiver: ReceiverClient, req: str, sent: memoryview) -> tuple[
+        float | None, bool, int]:
+    first: float | None = None
+    async for event in receiver.events(req):
+        if isinstance(event, LayerLanded):
+            if first is None:
+                first = time.perf_counter()
+            continue
+        view = receiver.view(event)
+        try:
+            same = view == sent
+        finally:
+            view.release()
+        await receiver.release(req)
+        return first, same, event.checksum
+    raise AssertionError("unreachable: events() ends with Delivered")
