@@ -62,7 +62,9 @@ class ReceiverConfig(CommonConfig):
     lease_wait: float = _opt(
         5.0, "seconds a request waits for pool room before it is refused as pool full"
     )
-    credits: int = _opt(64, "requests one sender may have open at once")
+    credits: int = _opt(
+        64, "layer announcements (immediates) one sender may have in flight: the receive "
+        "queue depth per sender")
     metrics: str = _opt("127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: off)")
 
 

@@ -9,6 +9,7 @@ local or on a decode node two hops away.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import ClassVar
 
 
@@ -116,7 +117,7 @@ def _index(cls: type[KvwireError]) -> None:
 _index(KvwireError)
 
 
-def from_wire(payload: dict[str, object]) -> KvwireError:
+def from_wire(payload: Mapping[str, object]) -> KvwireError:
     """Rebuild an error sent by :meth:`KvwireError.to_wire`."""
     cls = _BY_CODE.get(str(payload.get("code", "error")), KvwireError)
     return cls(str(payload.get("message", "unknown error")), hint=str(payload.get("hint", "")))

@@ -426,6 +426,8 @@ class ReceiverDaemon:
                 f"request {req} is not held by this receiver",
                 hint="release only requests you subscribed to and saw complete").to_wire()))
             return
+        # The releasing engine is told "released", not that its request failed.
+        self.subscribers.get(req, set()).discard(consumer)
         if lease.state == "complete":
             self._free_lease(lease)
         elif lease.state in ("filling", "landed"):

@@ -1,0 +1,38 @@
+# kvwire: `make demo` shows it working, `make test` proves it.
+# Both install what they need first (Debian packages, then a venv in .venv).
+
+# Debian's python3: pyverbs comes from the distribution's rdma-core build,
+# so the venv sees system site-packages.
+PYTHON ?= /usr/bin/python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test lint unit demo clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml scripts/install-system-packages.sh
+	scripts/install-system-packages.sh
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check kvwired kvctl tests
+	$(BIN)/mypy kvwired kvctl tests
+
+# Everything: lint, unit tests, and the two-namespace end-to-end suite (root).
+test: lint
+	$(BIN)/pytest -ra
+
+# Unit tests only: no root, no namespaces.
+unit: setup
+	$(BIN)/pytest -ra -m "not netns"
+
+demo: setup
+	$(BIN)/kvctl demo netns
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

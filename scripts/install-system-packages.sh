@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs the Debian packages kvwire needs, only those missing.
+# python3-venv: the venv; iproute2: the two-namespace harness;
+# rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes.
+set -euo pipefail
+
+packages=(python3 python3-venv python3-pip iproute2 rdma-core ibverbs-utils python3-pyverbs)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "installing Debian packages: ${missing[*]}"
+if [ "$(id -u)" -eq 0 ]; then
+  sudo=()
+elif command -v sudo >/dev/null; then
+  sudo=(sudo)
+else
+  echo "error: need root to run: apt-get install -y ${missing[*]}" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+"${sudo[@]}" apt-get update -qq
+"${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvwired.config import ReceiverConfig, SenderConfig, build
+from kvwired.receiver import ReceiverDaemon
+from kvwired.sender import SenderDaemon
+
+
+@dataclass
+class LocalDaemons:
+    receiver: ReceiverDaemon
+    sender: SenderDaemon
+
+    @property
+    def sender_socket(self) -> str:
+        return self.sender.config.socket
+
+    @property
+    def receiver_socket(self) -> str:
+        return self.receiver.config.socket
+
+
+async def start_local(tmp: Path, receiver: dict[str, Any] | None = None,
+                      sender: dict[str, Any] | None = None) -> LocalDaemons:
+    """Both daemons in this event loop, on loopback, with ephemeral ports."""
+    rx = ReceiverDaemon(build(ReceiverConfig, {
+        "listen": "127.0.0.1:0", "data_port": 0, "socket": str(tmp / "rx.sock"),
+        "metrics": "127.0.0.1:0", "pool_size": "64MiB", "lease_wait": 0.5,
+        **(receiver or {})}))
+    await rx.start()
+    tx = SenderDaemon(build(SenderConfig, {
+        "socket": str(tmp / "tx.sock"), "metrics": "127.0.0.1:0", "staging_size": "64MiB",
+        "peers": {"decode": f"127.0.0.1:{rx.control_port}"}, "connect_timeout": 2.0,
+        **(sender or {})}))
+    await tx.start()
+    return LocalDaemons(rx, tx)
+
+
+@pytest.fixture
+async def local(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
+    daemons = await start_local(tmp_path)
+    yield daemons
+    await daemons.sender.stop()
+    await daemons.receiver.stop()
+    await asyncio.sleep(0)

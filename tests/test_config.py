@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvwired.cli import build_parser
+from kvwired.config import ReceiverConfig, SenderConfig, load, parse_address
+from kvwired.errors import ConfigError
+from kvwired.units import format_size, parse_size
+
+
+def test_sizes() -> None:
+    assert parse_size("512") == 512
+    assert parse_size("12KiB") == 12288
+    assert parse_size("2 MiB") == 2 << 20
+    assert parse_size("1.5GiB") == 3 << 29
+    assert parse_size("1MB") == 1_000_000
+    assert format_size(48 << 20) == "48 MiB"
+    assert format_size(512) == "512 B"
+    with pytest.raises(ConfigError, match="KiB"):
+        parse_size("12 parsecs")
+
+
+def test_addresses() -> None:
+    assert parse_address("10.0.0.2:7000", 1) == ("10.0.0.2", 7000)
+    assert parse_address("decode", 7471) == ("decode", 7471)
+    assert parse_address("[::1]:9", 1) == ("::1", 9)
+    with pytest.raises(ConfigError):
+        parse_address("host:99999", 1)
+
+
+def test_toml_then_flags(tmp_path: Path) -> None:
+    config = tmp_path / "sender.toml"
+    config.write_text('name = "p1"\nstaging_size = "64MiB"\nchunk = "per-layer"\n'
+                      '[peers]\ndecode = "10.1.1.1:7471"\n')
+    args = build_parser().parse_args(
+        ["sender", "--config", str(config), "--chunk", "4KiB", "--peer", "other=10.1.1.2"])
+    loaded = load(SenderConfig, args)
+    assert loaded.name == "p1"
+    assert loaded.staging_size == 64 << 20
+    assert loaded.chunk_bytes == 4096  # the flag wins over the file
+    assert loaded.peers == {"decode": "10.1.1.1:7471", "other": "10.1.1.2"}
+
+
+def test_defaults_without_file() -> None:
+    loaded = load(ReceiverConfig, build_parser().parse_args(["receiver"]))
+    assert loaded.pool_size == 256 << 20
+    assert loaded.listen == "0.0.0.0:7471"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pool_sise = 1\n", "unknown config key"),
+        ('pool_size = "lots"\n', "cannot read"),
+        ("credits = 0\n", "credits"),
+        ('transport = "carrier-pigeon"\n', "unknown transport"),
+        ("name = [\n", "not valid TOML"),
+    ],
+)
+def test_config_mistakes_are_explained(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "receiver.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load(ReceiverConfig, path=str(config))
+
+
+def test_bad_peer_flag() -> None:
+    args = build_parser().parse_args(["sender", "--peer", "nameless"])
+    with pytest.raises(ConfigError, match="NAME=HOST:PORT"):
+        load(SenderConfig, args)
+
+
+def test_help_documents_every_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["receiver", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for key in ("pool_size", "listen", "socket", "lease_wait", "credits", "metrics"):
+        assert f"TOML: {key}" in text
+
+
+def test_shipped_example_configs_load() -> None:
+    root = Path(__file__).resolve().parent.parent / "deploy" / "config"
+    receiver = load(ReceiverConfig, path=str(root / "receiver.toml"))
+    sender = load(SenderConfig, path=str(root / "sender.toml"))
+    assert receiver.pool_size == 256 << 20
+    assert sender.chunk_bytes == 12288
+    assert "decode-0" in sender.peers

@@ -1,0 +1,215 @@
+"""Both daemons in one event loop on loopback: the protocol's failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvwired.client import ReceiverClient, SenderClient, SyncReceiverClient, SyncSenderClient
+from kvwired.errors import (
+    DaemonUnavailable,
+    DeadlineExceeded,
+    DuplicateRequest,
+    PeerLost,
+    RequestAborted,
+    UnknownPeer,
+    UsageError,
+)
+from kvwired.layout import RequestShape
+from kvwired.protocol import CONTROL, encode, message, read_message
+
+from .conftest import LocalDaemons, start_local
+
+
+async def _control(local: LocalDaemons) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
+
+
+async def _expect_error_then_close(reader: asyncio.StreamReader) -> dict[str, str]:
+    msg = await asyncio.wait_for(read_message(reader, CONTROL), 5)
+    assert msg is not None and msg["t"] == "error"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # and the daemon hung up
+    return dict(msg["error"])
+
+
+async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        data = os.urandom(size)
+        result = await client.push_bytes(req, "decode", data, chunk=65536)
+        assert result.checksum == zlib.crc32(data)
+    async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+        await consumer.release(req)
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "reason"),
+    [
+        (struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", "protocol", "not valid msgpack"),
+        (encode({"t": "hello", "v": 2, "role": "sender", "name": "x", "transports": ["tcp"]}),
+         "version", "version 2"),
+        (struct.pack(">I", 1 << 30), "frame_too_large", "limit"),
+        (encode(message("lease", req="r", lease=1, offset=0)), "protocol", "hello"),
+    ],
+)
+async def test_bad_control_frames_get_a_reason_and_others_are_still_served(
+    local: LocalDaemons, frame: bytes, code: str, reason: str
+) -> None:
+    reader, writer = await _control(local)
+    writer.write(frame)
+    error = await _expect_error_then_close(reader)
+    assert error["code"] == code
+    assert reason in error["message"]
+    writer.close()
+    await _push_ok(local, "after-bad-frame")
+    assert local.receiver.metrics.protocol_errors.labels("control")._value.get() >= 1
+
+
+async def test_bad_frame_mid_session_closes_only_that_session(local: LocalDaemons) -> None:
+    reader, writer = await _control(local)
+    writer.write(encode(message("hello", role="sender", name="rogue", transports=["tcp"])))
+    welcome = await read_message(reader, CONTROL)
+    assert welcome is not None and welcome["t"] == "welcome"
+    writer.write(encode(message("connect", params={})))
+    assert (await read_message(reader, CONTROL) or {})["t"] == "ready"
+    writer.write(encode(message("open", req="r", shape="not a dict")))
+    error = await _expect_error_then_close(reader)
+    assert "expected dict" in error["message"]
+    await _push_ok(local, "after-rogue")
+
+
+async def test_bad_engine_frame_is_answered_and_engine_cut_off(local: LocalDaemons) -> None:
+    reader, writer = await asyncio.open_unix_connection(local.sender_socket)
+    writer.write(struct.pack(">I", 3) + b"\x92\x01\x02")  # a msgpack list, not a map
+    data = await asyncio.wait_for(reader.read(), 5)  # the answer, then the end of stream
+    writer.close()
+    body = msgpack.unpackb(data[4:])
+    assert body["t"] == "error" and "not a map" in body["error"]["message"]
+    await _push_ok(local, "after-bad-engine")
+
+
+async def test_unknown_peer_names_the_known_ones(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        with pytest.raises(UnknownPeer, match="'elsewhere'") as info:
+            await client.push_bytes("r", "elsewhere", b"x")
+    assert "decode" in info.value.hint
+
+
+async def test_unreachable_receiver_fails_fast_with_a_hint(tmp_path: Path) -> None:
+    with socket.socket() as placeholder:
+        placeholder.bind(("127.0.0.1", 0))
+        dead_port = placeholder.getsockname()[1]
+    daemons = await start_local(tmp_path, sender={"peers": {"decode": f"127.0.0.1:{dead_port}"}})
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as client:
+            started = time.monotonic()
+            with pytest.raises(PeerLost, match="cannot reach receiver decode") as info:
+                await client.push_bytes("r", "decode", b"x" * 100)
+            assert time.monotonic() - started < 5
+            assert "running" in info.value.hint
+        assert daemons.sender.staging is not None
+        assert daemons.sender.staging.used_bytes == 0
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()
+
+
+async def test_deadline_aborts_and_frees_both_pools(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        push = await client.open("slow", "decode", RequestShape(4, 1 << 20), deadline=0.3)
+        push.commit(0)  # ... and never the rest
+        with pytest.raises(DeadlineExceeded):
+            await asyncio.wait_for(push._result, 5)
+    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    assert local.sender.staging is not None and local.sender.staging.used_bytes == 0
+
+
+async def test_engine_abort_and_disconnect_free_the_receiver_slot(local: LocalDaemons) -> None:
+    client = await SenderClient.connect(local.sender_socket)
+    push = await client.open("a", "decode", RequestShape(2, 1 << 20))
+    push.commit(0)
+    push.abort()
+    with pytest.raises(RequestAborted, match="aborted"):
+        await asyncio.wait_for(push._result, 5)
+    await client.open("b", "decode", RequestShape(2, 1 << 20))
+    await client.close()  # the engine goes away mid-request
+    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    await _push_ok(local, "after-aborts")
+
+
+async def test_release_before_delivery_aborts_the_push_with_the_reason(
+    local: LocalDaemons,
+) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client, \
+            await ReceiverClient.connect(local.receiver_socket) as consumer:
+        push = await client.open("early", "decode", RequestShape(3, 1 << 20))
+        push.commit(0)
+        async for event in consumer.events("early"):
+            assert event.layer == 0  # type: ignore[union-attr]
+            break
+        await consumer.release("early")
+        with pytest.raises(RequestAborted, match="released request early before"):
+            await asyncio.wait_for(push._result, 5)
+    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+
+
+async def test_duplicate_request_ids_are_refused(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        await client.push_bytes("same", "decode", b"1" * 4096)
+        with pytest.raises(DuplicateRequest, match="already held"):
+            await client.push_bytes("same", "decode", b"2" * 4096)
+
+
+async def test_api_misuse_is_explained(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        push = await client.open("m", "decode", RequestShape(2, 4096))
+        with pytest.raises(UsageError, match="layer 0 is next"):
+            push.commit(1)
+        with pytest.raises(UsageError, match="before every layer"):
+            await push.finish()
+        push.abort()
+    async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+        with pytest.raises(UsageError, match="not held"):
+            await consumer.release("never-pushed")
+
+
+async def test_missing_daemon_is_explained(tmp_path: Path) -> None:
+    with pytest.raises(DaemonUnavailable, match="is the daemon running"):
+        await SenderClient.connect(str(tmp_path / "nothing.sock"))
+
+
+async def test_sync_wrappers(local: LocalDaemons) -> None:
+    def engine_and_consumer() -> bytes:
+        prefill = SyncSenderClient(local.sender_socket)
+        decode = SyncReceiverClient(local.receiver_socket)
+        try:
+            push = prefill.open("sync", "decode", RequestShape(2, 8192), chunk=4096)
+            for n in range(2):
+                push.layer(n)[:] = bytes([n + 1]) * 8192
+                push.commit(n)
+            result = push.finish()
+            delivered = decode.wait_delivered("sync", timeout=5)
+            assert delivered.checksum == result.checksum
+            data = bytes(decode.view(delivered))
+            decode.release("sync")
+            return data
+        finally:
+            prefill.close()
+            decode.close()
+
+    data = await asyncio.to_thread(engine_and_consumer)
+    assert data == b"\x01" * 8192 + b"\x02" * 8192
+
+
+async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
