@@ -139,8 +139,11 @@ class Slot:
 class Pool:
     """Shared memory plus slot allocation, with waiting for room to free up."""
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, size_key: str = "pool_size",
+                 full_hint: str = "") -> None:
         self.memory = SharedMemory(size, name)
+        self.size_key = size_key  # the config key users change to resize it
+        self.full_hint = full_hint or f"raise {size_key}"
         self.allocator = RangeAllocator(size)
         self._freed = asyncio.Event()
         self.name = name
@@ -173,7 +176,7 @@ class Pool:
                     f"{self.name} pool full: no {length} B free within {wait:g} s "
                     f"({self.used_bytes} of {self.size} B held by "
                     f"{self.allocator.leases} requests)",
-                    hint="consumers must release delivered requests; or raise the pool size",
+                    hint=self.full_hint,
                 )
             freed = self._freed
             with contextlib.suppress(TimeoutError):
@@ -189,7 +192,7 @@ class Pool:
         if align_up(length) > self.size:
             raise RequestTooLarge(
                 f"a request of {length} B cannot fit the {self.name} pool of {self.size} B",
-                hint=f"raise the {self.name} pool_size or split the request",
+                hint=f"raise {self.size_key} or split the request",
             )
 
     def close(self) -> None:

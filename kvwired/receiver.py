@@ -102,7 +102,8 @@ class ReceiverDaemon:
 
     async def start(self) -> None:
         cfg = self.config
-        self.pool = Pool(cfg.pool_size, "receive")
+        self.pool = Pool(cfg.pool_size, "receive", full_hint=(
+            "decode engines must release delivered requests; or raise pool_size"))
         self.region = await self.transport.start(self.pool.memory)
         await self.transport.listen()
         host, port = parse_address(cfg.listen, 7471)
@@ -374,8 +375,10 @@ class ReceiverDaemon:
         self.metrics.clients.inc()
         try:
             hello = await asyncio.wait_for(read_message(reader, RECEIVER_LOCAL), HELLO_TIMEOUT)
-            if hello is None or hello["t"] != "hello":
-                raise ProtocolError("expected hello")
+            if hello is None:
+                return  # connected and left without a word: a readiness probe
+            if hello["t"] != "hello":
+                raise ProtocolError(f"expected hello, got {hello['t']!r}")
             assert self.pool is not None
             fd = self.pool.memory.readonly_fd()
             try:

@@ -252,7 +252,8 @@ class SenderDaemon:
 
     async def start(self) -> None:
         cfg = self.config
-        self.staging = Pool(cfg.staging_size, "staging")
+        self.staging = Pool(cfg.staging_size, "staging", "staging_size", full_hint=(
+            "each push holds staging memory until delivered; raise staging_size"))
         await self.transport.start(self.staging.memory)
         self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
         # The unix socket comes last: once it accepts, the daemon is ready.
@@ -284,8 +285,10 @@ class SenderDaemon:
         self.metrics.clients.inc()
         try:
             hello = await asyncio.wait_for(read_message(reader, SENDER_LOCAL), HELLO_TIMEOUT)
-            if hello is None or hello["t"] != "hello":
-                raise ProtocolError("expected hello")
+            if hello is None:
+                return  # connected and left without a word: a readiness probe
+            if hello["t"] != "hello":
+                raise ProtocolError(f"expected hello, got {hello['t']!r}")
             assert self.staging is not None
             send_with_fd(writer, message("welcome", name=self.config.name,
                                          pool_size=self.staging.size), self.staging.memory.fd)

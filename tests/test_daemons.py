@@ -19,6 +19,7 @@ from kvwired.errors import (
     DeadlineExceeded,
     DuplicateRequest,
     PeerLost,
+    PoolFull,
     RequestAborted,
     UnknownPeer,
     UsageError,
@@ -158,6 +159,23 @@ async def test_release_before_delivery_aborts_the_push_with_the_reason(
         with pytest.raises(RequestAborted, match="released request early before"):
             await asyncio.wait_for(push._result, 5)
     await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+
+
+async def test_full_staging_pool_waits_then_says_so(tmp_path: Path) -> None:
+    daemons = await start_local(tmp_path, sender={"staging_size": "8MiB", "staging_wait": 0.3})
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as client:
+            held = await client.open("held", "decode", RequestShape(6, 1 << 20))
+            with pytest.raises(PoolFull, match="staging pool full") as info:
+                await client.open("blocked", "decode", RequestShape(6, 1 << 20))
+            assert "staging_size" in info.value.hint
+            held.abort()
+            with pytest.raises(RequestAborted):
+                await asyncio.wait_for(held._result, 5)
+            await client.push_bytes("fits-again", "decode", b"z" * (6 << 20))
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()
 
 
 async def test_duplicate_request_ids_are_refused(local: LocalDaemons) -> None:

@@ -183,6 +183,34 @@ async def test_receiver_killed_mid_push_fails_fast_then_recovers(
     assert tx.running
 
 
+async def test_receiver_host_that_vanishes_silently_is_detected_by_heartbeat(
+    start: Start, pair: NetnsPair, qwen_cache: np.ndarray
+) -> None:
+    # A host that loses its link sends no FIN: only missed heartbeats tell.
+    rx, tx = start(receiver={"heartbeat": 0.5}, sender={"heartbeat": 0.5})
+    raw = qwen_cache.reshape(-1).view(np.uint8)
+    link = ["ip", "-n", pair.decode.netns, "link", "set", pair.decode.ifname]
+    async with await SenderClient.connect(tx.socket) as prefill:
+        push = await prefill.open("stranded", "decode", QWEN, chunk="per-layer")
+        push.layer(0)[:] = raw[: QWEN.layer_bytes].data
+        push.commit(0)
+        subprocess.run([*link, "down"], check=True)
+        try:
+            vanished_at = time.monotonic()
+            with pytest.raises(PeerLost, match="sent nothing for 2 s"):
+                for n in range(1, QWEN.layers):
+                    push.commit(n)
+                await asyncio.wait_for(push.finish(), 30)
+            assert time.monotonic() - vanished_at < 10
+        finally:
+            subprocess.run([*link, "up"], check=True)
+        # The link is back: the next push reconnects and gets through.
+        record = await push_one(prefill, "decode", "link-back", QWEN.shape(), qwen_cache,
+                                chunk="per-layer")
+        assert record.checksum == zlib.crc32(qwen_cache.tobytes())
+    assert rx.running and tx.running
+
+
 async def test_consumer_that_never_releases_fills_the_pool_without_damage(
     start: Start,
 ) -> None:
