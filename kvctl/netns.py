@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwired.errors import KvwireError
+from kvwired.localsock import accepts
 
 # RFC 2544's benchmarking range: never routed, never someone else's host.
 SUBNET = "198.18.77"
@@ -136,7 +136,7 @@ class DaemonProcess:
             if self.process.poll() is not None:
                 raise HarnessError(f"{self.role} exited with {self.process.returncode}:\n"
                                    f"{self.log_tail()}")
-            if _accepts(self.socket):
+            if accepts(self.socket):
                 return self
             time.sleep(0.05)
         self.kill()
@@ -168,14 +168,6 @@ class DaemonProcess:
             self.process.kill()
             self.process.wait()
 
-
-def _accepts(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-        return True
 
 
 def receiver_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[str, Any]:

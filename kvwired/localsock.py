@@ -15,8 +15,17 @@ import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from .errors import DaemonUnavailable, ProtocolError, from_wire
-from .protocol import MAX_FRAME, Message, Schema, decode, encode, message
+from .errors import DaemonUnavailable, KvwireError, ProtocolError, from_wire
+from .protocol import (
+    MAX_FRAME,
+    Message,
+    Schema,
+    decode,
+    encode,
+    error_message,
+    message,
+    read_message,
+)
 
 ClientHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -33,6 +42,43 @@ def send_with_fd(writer: asyncio.StreamWriter, msg: Message, fd: int) -> None:
         raise ProtocolError("the welcome frame was cut short by the socket")
 
 
+HELLO_TIMEOUT = 10.0
+
+
+async def local_session(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    schema: Schema,
+    welcome: Message,
+    fd: int,
+    dispatch: Callable[[Message], None],
+) -> None:
+    """A daemon's side of one engine connection.
+
+    Handshake (``hello`` -> ``welcome`` with the pool fd), then every frame to
+    ``dispatch`` until the engine leaves. Raises ``KvwireError`` on a
+    protocol violation; returns quietly when the engine closes, including
+    one that connected and left without a word (a readiness probe).
+    """
+    try:
+        hello = await asyncio.wait_for(read_message(reader, schema), HELLO_TIMEOUT)
+    except TimeoutError:
+        raise ProtocolError(f"no hello within {HELLO_TIMEOUT:g} s") from None
+    if hello is None:
+        return
+    if hello["t"] != "hello":
+        raise ProtocolError(f"expected hello, got {hello['t']!r}")
+    send_with_fd(writer, welcome, fd)
+    while (msg := await read_message(reader, schema)) is not None:
+        dispatch(msg)
+
+
+def reject(writer: asyncio.StreamWriter, error: KvwireError) -> None:
+    """Tell a local client why it is being cut off (best effort)."""
+    with contextlib.suppress(Exception):
+        writer.write(encode(error_message(error)))
+
+
 async def serve_unix(path: str, handler: ClientHandler) -> asyncio.AbstractServer:
     """Listen on ``path`` (replacing a stale socket file, refusing anything else)."""
     target = Path(path)
@@ -42,7 +88,7 @@ async def serve_unix(path: str, handler: ClientHandler) -> asyncio.AbstractServe
             raise DaemonUnavailable(
                 f"{path} exists and is not a socket", hint="choose another socket path"
             )
-        if _is_live_socket(path):
+        if accepts(path):
             raise DaemonUnavailable(
                 f"another daemon is already listening on {path}",
                 hint="stop it first, or give this one another socket path",
@@ -53,7 +99,8 @@ async def serve_unix(path: str, handler: ClientHandler) -> asyncio.AbstractServe
     return server
 
 
-def _is_live_socket(path: str) -> bool:
+def accepts(path: str) -> bool:
+    """Whether something listens on the unix socket ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)

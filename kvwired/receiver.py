@@ -31,17 +31,16 @@ from .errors import (
     UsageError,
 )
 from .layout import RequestShape
-from .localsock import close_quietly, send_with_fd, serve_unix
+from .localsock import HELLO_TIMEOUT, close_quietly, local_session, reject, serve_unix
 from .metrics import Metrics
 from .pool import Pool, Slot
-from .protocol import RECEIVER_LOCAL, Message, encode, error_message, message, read_message
+from .protocol import RECEIVER_LOCAL, Message, encode, message
 from .tasks import spawn
 from .transport.base import RemoteRegion, Responder
 from .transport.tcp import TcpTransport
 
 log = structlog.get_logger("kvwired.receiver")
 
-HELLO_TIMEOUT = 10.0
 
 
 class Consumer:
@@ -372,37 +371,30 @@ class ReceiverDaemon:
     ) -> None:
         consumer = Consumer(writer)
         subscribed: set[str] = set()
+
+        def dispatch(msg: Message) -> None:
+            if msg["t"] == "subscribe":
+                subscribed.add(msg["req"])
+                self._subscribe(consumer, msg["req"])
+            elif msg["t"] == "release":
+                self._release(consumer, msg["req"])
+            else:
+                raise ProtocolError(f"a decode engine may not send {msg['t']!r}")
+
+        assert self.pool is not None
+        welcome = message("welcome", name=self.config.name, pool_size=self.pool.size)
+        fd = self.pool.memory.readonly_fd()  # decode engines only read the pool
         self.metrics.clients.inc()
         try:
-            hello = await asyncio.wait_for(read_message(reader, RECEIVER_LOCAL), HELLO_TIMEOUT)
-            if hello is None:
-                return  # connected and left without a word: a readiness probe
-            if hello["t"] != "hello":
-                raise ProtocolError(f"expected hello, got {hello['t']!r}")
-            assert self.pool is not None
-            fd = self.pool.memory.readonly_fd()
-            try:
-                send_with_fd(writer, message("welcome", name=self.config.name,
-                                             pool_size=self.pool.size), fd)
-            finally:
-                os.close(fd)
-            while (msg := await read_message(reader, RECEIVER_LOCAL)) is not None:
-                if msg["t"] == "subscribe":
-                    subscribed.add(msg["req"])
-                    self._subscribe(consumer, msg["req"])
-                elif msg["t"] == "release":
-                    self._release(consumer, msg["req"])
-                else:
-                    raise ProtocolError(f"a decode engine may not send {msg['t']!r}")
-        except (KvwireError, TimeoutError) as exc:
-            error = exc if isinstance(exc, KvwireError) else ProtocolError("no hello in time")
+            await local_session(reader, writer, RECEIVER_LOCAL, welcome, fd, dispatch)
+        except KvwireError as exc:
             self.metrics.protocol_errors.labels("receiver_local").inc()
-            log.warning("decode engine connection rejected", error=str(error))
-            with contextlib.suppress(Exception):
-                writer.write(encode(error_message(error)))
+            log.warning("decode engine connection rejected", error=str(exc))
+            reject(writer, exc)
         except (ConnectionError, OSError):
             pass
         finally:
+            os.close(fd)
             for req in subscribed:
                 subs = self.subscribers.get(req)
                 if subs is not None:

@@ -33,17 +33,16 @@ from .errors import (
     from_wire,
 )
 from .layout import ChunkCursor, RequestShape
-from .localsock import close_quietly, send_with_fd, serve_unix
+from .localsock import close_quietly, local_session, reject, serve_unix
 from .metrics import Metrics
 from .pool import Pool, Slot
-from .protocol import SENDER_LOCAL, Message, encode, error_message, message, read_message
+from .protocol import SENDER_LOCAL, Message, encode, message
 from .tasks import spawn
 from .transport.base import DataChannel, RemoteRegion, Write
 from .transport.tcp import TcpTransport
 
 log = structlog.get_logger("kvwired.sender")
 
-HELLO_TIMEOUT = 10.0
 
 
 class Engine:
@@ -282,24 +281,16 @@ class SenderDaemon:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         engine = Engine(writer)
+        assert self.staging is not None
+        welcome = message("welcome", name=self.config.name, pool_size=self.staging.size)
         self.metrics.clients.inc()
         try:
-            hello = await asyncio.wait_for(read_message(reader, SENDER_LOCAL), HELLO_TIMEOUT)
-            if hello is None:
-                return  # connected and left without a word: a readiness probe
-            if hello["t"] != "hello":
-                raise ProtocolError(f"expected hello, got {hello['t']!r}")
-            assert self.staging is not None
-            send_with_fd(writer, message("welcome", name=self.config.name,
-                                         pool_size=self.staging.size), self.staging.memory.fd)
-            while (msg := await read_message(reader, SENDER_LOCAL)) is not None:
-                self._dispatch_engine(engine, msg)
-        except (KvwireError, TimeoutError) as exc:
-            error = exc if isinstance(exc, KvwireError) else ProtocolError("no hello in time")
+            await local_session(reader, writer, SENDER_LOCAL, welcome, self.staging.memory.fd,
+                                lambda msg: self._dispatch_engine(engine, msg))
+        except KvwireError as exc:
             self.metrics.protocol_errors.labels("sender_local").inc()
-            log.warning("prefill engine connection rejected", error=str(error))
-            with contextlib.suppress(Exception):
-                writer.write(encode(error_message(error)))
+            log.warning("prefill engine connection rejected", error=str(exc))
+            reject(writer, exc)
         except (ConnectionError, OSError):
             pass
         finally:
