@@ -77,6 +77,8 @@ class SenderSession:
     leases: set[int] = field(default_factory=set)
     credits_to_return: int = 0
     alive: bool = True
+    writes_counted: int = 0
+    bytes_counted: int = 0
 
 
 class ReceiverDaemon:
@@ -258,6 +260,7 @@ class ReceiverDaemon:
 
     def _on_immediate(self, session: SenderSession, imm: int) -> None:
         self._return_credit(session)
+        self._count_received(session)
         lease_id, layer = immediate.unpack(imm)
         lease = self.leases.get(lease_id)
         if (lease is None or lease.session is not session or lease.state != "filling"
@@ -267,12 +270,22 @@ class ReceiverDaemon:
             return
         for n in range(lease.landed, layer + 1):
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
-        new_bytes = (layer + 1 - lease.landed) * lease.shape.layer_bytes
-        self.metrics.bytes.labels(session.name, "received").inc(new_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
             lease.state = "landed"
             spawn(self._complete(lease), f"complete-{lease.req}")
+
+    def _count_received(self, session: SenderSession) -> None:
+        # Metrics move once per immediate (a layer), not once per write.
+        responder = session.responder
+        if responder is None:
+            return
+        writes = responder.writes_received - session.writes_counted
+        data = responder.bytes_received - session.bytes_counted
+        session.writes_counted += writes
+        session.bytes_counted += data
+        self.metrics.writes.labels(session.name, "received").inc(writes)
+        self.metrics.bytes.labels(session.name, "received").inc(data)
 
     def _return_credit(self, session: SenderSession) -> None:
         # Credits go back in one message per loop turn, not one per immediate.

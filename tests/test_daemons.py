@@ -231,3 +231,27 @@ async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-un
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.02)
+
+
+async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        await client.push_bytes("counted", "decode", os.urandom(3 << 20), chunk=65536)
+
+    def value(daemon: LocalDaemons, side: str, name: str, *labels: str) -> float:
+        metrics = getattr(daemon, side).metrics
+        return float(metrics.registry.get_sample_value(name, dict(zip(
+            ["peer", "direction"] if "data" in name else ["peer", "outcome"], labels,
+            strict=True))) or 0)
+
+    assert value(local, "sender", "kvwire_data_writes_total", "decode", "sent") == 48
+    assert value(local, "receiver", "kvwire_data_writes_total", "prefill", "received") == 48
+    assert value(local, "sender", "kvwire_data_bytes_total", "decode", "sent") == 3 << 20
+    assert value(local, "receiver", "kvwire_data_bytes_total", "prefill", "received") == 3 << 20
+    assert value(local, "sender", "kvwire_requests_total", "decode", "delivered") == 1
+    assert value(local, "receiver", "kvwire_requests_total", "prefill", "delivered") == 1
+    registry = local.receiver.metrics.registry
+    assert registry.get_sample_value("kvwire_request_duration_seconds_count",
+                                     {"peer": "prefill"}) == 1
+    assert registry.get_sample_value("kvwire_pool_bytes",
+                                     {"pool": "receive", "state": "used"}) == 3 << 20
+    assert registry.get_sample_value("kvwire_peers_connected") == 1

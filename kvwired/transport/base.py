@@ -75,7 +75,14 @@ class DataChannel(ABC):
 
 
 class Responder(ABC):
-    """The receiving end, made for one initiator."""
+    """The receiving end, made for one initiator.
+
+    ``writes_received`` and ``bytes_received`` count what has been placed so
+    far; the daemon turns them into metrics without a call per write.
+    """
+
+    writes_received: int = 0
+    bytes_received: int = 0
 
     @abstractmethod
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:

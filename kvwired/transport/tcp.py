@@ -69,7 +69,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         # A large payload being received in place: (pool offset, bytes left).
         self._direct: tuple[int, int] | None = None
-        self._direct_done: tuple[int, int, int] = (0, 0, 0)  # flags, imm, wr_id
+        self._direct_done: tuple[int, int, int, int] = (0, 0, 0, 0)  # flags, imm, wr_id, len
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -122,14 +122,14 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
             if available >= length:
                 memory[offset : offset + length] = view[body : body + length]
                 self._start = body + length
-                self._finish_write(flags, imm, wr_id)
+                self._finish_write(flags, imm, wr_id, length)
                 continue
             if length < DIRECT_THRESHOLD:
                 return  # wait for the rest of a small frame in the bounce buffer
             memory[offset : offset + available] = view[body : self._end]
             self._start = self._end
             self._direct = (offset + available, length - available)
-            self._direct_done = (flags, imm, wr_id)
+            self._direct_done = (flags, imm, wr_id, length)
             return
 
     def _bind(self, token: bytes) -> None:
@@ -139,8 +139,10 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         self._responder = responder
         responder.attached(self)
 
-    def _finish_write(self, flags: int, imm: int, wr_id: int) -> None:
+    def _finish_write(self, flags: int, imm: int, wr_id: int, length: int) -> None:
         assert self._responder is not None and self._transport is not None
+        self._responder.writes_received += 1
+        self._responder.bytes_received += length
         if flags & FLAG_SIGNALED:
             self._transport.write(HEADER.pack(OP_ACK, 0, 0, 0, 0, 0, wr_id))
         if flags & FLAG_IMM:
