@@ -170,6 +170,13 @@ class PeerLink:
         if kind in ("lease", "refused"):
             future = self._opening.pop(msg["req"], None)
             if future is None or future.done():
+                if kind == "lease":
+                    # Nobody waits for it any more (deadline, engine gone): give
+                    # the slot back at once; no write of ours can reach it.
+                    self.send(message("abort", req=msg["req"], lease=msg["lease"],
+                                      error=RequestAborted(
+                                          f"the sender stopped waiting for request "
+                                          f"{msg['req']}").to_wire()))
                 return
             if kind == "lease":
                 future.set_result((msg["lease"], msg["offset"]))
@@ -347,6 +354,10 @@ class SenderDaemon:
         self.pushes[req] = push
         self._update_pool_metrics()
         push.driver = spawn(self._drive(push), f"push-{req}")
+        if engine.writer.is_closing():
+            self.fail_push(push, RequestAborted(
+                f"the prefill engine disconnected while request {req} was being opened"))
+            return
         engine.send(message("opened", req=req, offset=push.staging.offset,
                             chunk_bytes=push.chunk_bytes))
 

@@ -132,6 +132,23 @@ async def test_deadline_aborts_and_frees_both_pools(local: LocalDaemons) -> None
     assert local.sender.staging is not None and local.sender.staging.used_bytes == 0
 
 
+async def test_lease_granted_after_the_sender_gave_up_is_returned(
+    local: LocalDaemons,
+) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client, \
+            await ReceiverClient.connect(local.receiver_socket) as consumer:
+        await client.push_bytes("hog", "decode", b"h" * (40 << 20))
+        opening = asyncio.create_task(
+            client.open("late", "decode", RequestShape(30, 1 << 20), deadline=0.2))
+        with pytest.raises(DeadlineExceeded):
+            await opening
+        # Room appears while the receiver still holds the abandoned open
+        # (lease_wait 0.5 s): the lease it grants must come straight back.
+        await consumer.release("hog")
+    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    assert not local.receiver.by_req
+
+
 async def test_engine_abort_and_disconnect_free_the_receiver_slot(local: LocalDaemons) -> None:
     client = await SenderClient.connect(local.sender_socket)
     push = await client.open("a", "decode", RequestShape(2, 1 << 20))
