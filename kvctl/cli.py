@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "receiver's and sender's")
     status.add_argument("--json", action="store_true")
 
+    from .lab.cli import add_parser as add_lab_parser
+
+    add_lab_parser(commands)
+
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["netns"], help="netns: two network namespaces (root)")
     demo.add_argument("--repeat", type=int, default=3, help="pushes per granularity")
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_push(args))
         if args.command == "status":
             return _status(args)
+        if args.command == "lab":
+            from .lab.cli import main as lab_main
+
+            return lab_main(args)
         if args.command == "demo":
             from .demo import netns_demo
 

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvwire needs, only those missing.
-# python3-venv: the venv; iproute2: the two-namespace harness;
-# rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes.
+# python3-venv: the venv; iproute2: the two-namespace harness and `rdma`;
+# rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes;
+# qemu-system-x86, linux-image-amd64 (ships rdma_rxe), busybox-static,
+# perftest: the two-node Soft-RoCE lab and its baseline.
 set -euo pipefail
 
-packages=(python3 python3-venv python3-pip iproute2 rdma-core ibverbs-utils python3-pyverbs)
+packages=(python3 python3-venv python3-pip iproute2 rdma-core ibverbs-utils python3-pyverbs
+          qemu-system-x86 linux-image-amd64 busybox-static perftest)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,13 +1,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvctl.lab.machine import LabState
 from kvwired.config import ReceiverConfig, SenderConfig, build
 from kvwired.receiver import ReceiverDaemon
 from kvwired.sender import SenderDaemon
@@ -50,3 +53,20 @@ async def local(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
     await daemons.sender.stop()
     await daemons.receiver.stop()
     await asyncio.sleep(0)
+
+
+@pytest.fixture(scope="session")
+def lab() -> Iterator[LabState]:
+    """The two-node Soft-RoCE lab, up once for every test that needs it."""
+    from kvctl.lab import machine
+
+    reason = machine.why_lab_cannot_run()
+    if reason:
+        pytest.skip(f"QEMU lab cannot run here: {reason}")
+    result = subprocess.run([sys.executable, "-m", "kvctl", "lab", "up"],
+                            capture_output=True, text=True)
+    print(result.stdout, result.stderr)
+    assert result.returncode == 0, result.stderr
+    state = machine.require_state()
+    yield state
+    subprocess.run([sys.executable, "-m", "kvctl", "lab", "down"], capture_output=True)

@@ -1,0 +1,1 @@
+"""The two-node Soft-RoCE lab: QEMU guests ``prefill`` and ``decode``."""

@@ -1,0 +1,59 @@
+"""``kvctl lab up|status|exec|down``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import table
+from . import machine
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    lab = commands.add_parser("lab", help="two QEMU nodes with Soft-RoCE on this machine")
+    verbs = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
+    verbs.add_parser("up", help="boot nodes prefill and decode; returns when both are ready")
+    verbs.add_parser("status", help="nodes, addresses, and the host ports that reach them")
+    verbs.add_parser("down", help="power the nodes off and remove everything of the lab")
+    run = verbs.add_parser("exec", help="run a command in a node: kvctl lab exec NODE -- CMD")
+    run.add_argument("node", choices=[n.name for n in machine.NODES])
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.lab_command == "up":
+        state = machine.up()
+        print(f"lab up in {state.booted_seconds:.1f} s (kernel {state.kernel}, software "
+              f"emulation, rdma_rxe on each node's wire0)")
+        _print_nodes(state, {name: "up" for name in state.nodes})
+        return 0
+    if args.lab_command == "status":
+        current, health = machine.status()
+        if current is None:
+            print("no lab (start one with `kvctl lab up`)")
+            return 1
+        _print_nodes(current, health)
+        return 0 if all(h == "up" for h in health.values()) else 1
+    if args.lab_command == "down":
+        for line in machine.down():
+            print(line)
+        print("lab down")
+        return 0
+    argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+    if not argv:
+        print("kvctl lab exec: give a command after --", file=sys.stderr)
+        return 2
+    return machine.exec_in(args.node, argv)
+
+
+def _print_nodes(state: machine.LabState, health: dict[str, str]) -> None:
+    rows = []
+    for name, node in state.nodes.items():
+        ports = node.ports
+        rows.append([name, health.get(name, "?"), f"{node.wire_address} (wire0, rxe0)",
+                     f"127.0.0.1:{ports['agent']}", f"127.0.0.1:{ports['control']}",
+                     f"127.0.0.1:{ports['metrics_receiver']}",
+                     f"127.0.0.1:{ports['metrics_sender']}"])
+    print(table.render(["node", "state", "wire address", "agent", "control :7471",
+                        "receiver metrics :9471", "sender metrics :9472"], rows))
+    print(f"consoles: {machine.STATE_DIR}/<node>.console")

@@ -1,0 +1,412 @@
+"""``kvctl lab``: two QEMU guests with Soft-RoCE, joined by a virtual wire.
+
+Each node boots the distribution kernel under software emulation (TCG:
+nested KVM hangs on the machines this was built on), mounts the host's root
+read-only over virtio 9p with a tmpfs overlay of its own, and binds
+``rdma_rxe`` to its wire NIC, which sits behind a PCIe root port so the
+probe finds a PCIe link under it. A second NIC (QEMU user networking,
+restricted: no way out) carries the agent and the forwarded management
+ports, reachable from the host on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from kvwired.errors import KvwireError
+
+from . import initramfs, wire
+
+STATE_DIR = Path(os.environ.get("KVWIRE_LAB_DIR", "/var/tmp/kvwire-lab"))
+BOOT_TIMEOUT = float(os.environ.get("KVWIRE_LAB_BOOT_TIMEOUT", "240"))
+NODE_MEMORY_MIB = 2048
+WIRE_SUBNET = "198.18.78"  # RFC 2544 benchmarking range: nobody else's
+MGMT_NET = "198.18.79"
+AGENT_PORT = 7400
+# Guest ports forwarded to host loopback: the agent, then what an operator
+# or Prometheus would reach on a real node.
+FORWARDED = {"agent": AGENT_PORT, "control": 7471, "metrics_receiver": 9471,
+             "metrics_sender": 9472}
+
+
+class LabError(KvwireError):
+    code = "lab"
+
+
+@dataclass
+class NodeSpec:
+    name: str
+    index: int
+
+    @property
+    def wire_address(self) -> str:
+        return f"{WIRE_SUBNET}.{self.index}"
+
+    @property
+    def wire_mac(self) -> str:
+        return f"52:54:00:4b:57:{self.index:02x}"
+
+    @property
+    def mgmt_mac(self) -> str:
+        return f"52:54:00:4b:4d:{self.index:02x}"
+
+
+NODES = (NodeSpec("prefill", 1), NodeSpec("decode", 2))
+
+
+@dataclass
+class NodeState:
+    name: str
+    pid: int
+    wire_address: str
+    ports: dict[str, int]
+    console: str
+
+
+@dataclass
+class LabState:
+    kernel: str
+    started: float
+    booted_seconds: float = 0.0
+    nodes: dict[str, NodeState] = field(default_factory=dict)
+
+    def save(self) -> None:
+        (STATE_DIR / "state.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls) -> LabState | None:
+        try:
+            raw = json.loads((STATE_DIR / "state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        nodes = {name: NodeState(**node) for name, node in raw.pop("nodes").items()}
+        return cls(**raw, nodes=nodes)
+
+
+# ------------------------------------------------------------ requirements
+
+
+@dataclass(frozen=True)
+class Requirement:
+    what: str
+    package: str
+    present: Callable[[], bool]
+
+
+def find_kernel() -> str | None:
+    """The newest /boot kernel whose modules include rdma_rxe."""
+    for image in sorted(Path("/boot").glob("vmlinuz-*"), reverse=True):
+        version = image.name.removeprefix("vmlinuz-")
+        modules = Path("/lib/modules") / version / "kernel/drivers/infiniband/sw/rxe"
+        if modules.is_dir():
+            return version
+    return None
+
+
+def _package_installed(package: str) -> bool:
+    result = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
+                            capture_output=True, text=True)
+    return result.stdout.endswith("install ok installed")
+
+
+BUSYBOX = Path("/bin/busybox")
+
+
+REQUIREMENTS = (
+    Requirement("QEMU (qemu-system-x86_64)", "qemu-system-x86",
+                lambda: shutil.which("qemu-system-x86_64") is not None),
+    Requirement("a kernel image with rdma_rxe", "linux-image-amd64",
+                lambda: find_kernel() is not None),
+    # Debian's plain busybox is dynamically linked: useless in an initramfs.
+    Requirement("a static busybox", "busybox-static",
+                lambda: _package_installed("busybox-static")),
+    Requirement("the rdma tool (iproute2)", "iproute2", lambda: shutil.which("rdma") is not None),
+    Requirement("rdma-core userspace (libibverbs, rxe provider)", "rdma-core",
+                lambda: Path("/etc/libibverbs.d/rxe.driver").exists()),
+    Requirement("ibv_devinfo", "ibverbs-utils", lambda: shutil.which("ibv_devinfo") is not None),
+    Requirement("perftest (ib_write_bw, ib_write_lat)", "perftest",
+                lambda: shutil.which("ib_write_bw") is not None),
+)
+
+
+def missing_requirements() -> list[Requirement]:
+    return [r for r in REQUIREMENTS if not r.present()]
+
+
+def why_lab_cannot_run() -> str | None:
+    """A reason QEMU cannot run here at all, or None."""
+    if os.geteuid() != 0:
+        return "the lab needs root (to read the kernel image and share the root filesystem)"
+    missing = missing_requirements()
+    if missing:
+        packages = " ".join(sorted({r.package for r in missing}))
+        return (f"missing: {', '.join(r.what for r in missing)} "
+                f"(apt-get install {packages})")
+    return None
+
+
+# --------------------------------------------------------------- the lab
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        # A zombie is not alive (the lab's QEMUs are children of `up` in tests).
+        if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
+            return False
+    return True
+
+
+def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: str,
+                  checkout: str, first: bool) -> list[str]:
+    stage2 = Path(__file__).with_name("node-init.sh")
+    append = " ".join([
+        "console=ttyS0", "panic=-1", "quiet", "loglevel=4",
+        f"kvwire.node={node.name}", f"kvwire.init={stage2}",
+        f"kvwire.wire={node.wire_address}/24", f"kvwire.wiremac={node.wire_mac}",
+        f"kvwire.mgmt={MGMT_NET}.15/24", f"kvwire.mgmtmac={node.mgmt_mac}",
+        f"kvwire.gateway={MGMT_NET}.2", f"kvwire.python={python}",
+        f"kvwire.checkout={checkout}", f"kvwire.agentport={AGENT_PORT}",
+    ])
+    forwards = ",".join(f"hostfwd=tcp:127.0.0.1:{ports[name]}-:{guest}"
+                        for name, guest in FORWARDED.items())
+    wire_socket = STATE_DIR / "wire.sock"
+    return [
+        "qemu-system-x86_64", "-name", f"kvwire-lab-{node.name}",
+        "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-smp", "1",
+        "-m", str(NODE_MEMORY_MIB), "-nodefaults", "-nographic", "-no-reboot",
+        "-kernel", f"/boot/vmlinuz-{kernel}", "-initrd", str(STATE_DIR / "initramfs.cpio"),
+        "-append", append,
+        "-serial", f"file:{STATE_DIR / f'{node.name}.console'}",
+        "-monitor", "none",
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
+                   "multidevs=remap",
+        # The wire NIC behind a PCIe root port: the probe finds a PCIe link.
+        "-device", "pcie-root-port,id=rp1,slot=1,chassis=1",
+        "-netdev", f"stream,id=wire,server={'on' if first else 'off'},addr.type=unix,"
+                   f"addr.path={wire_socket}",
+        "-device", f"virtio-net-pci,bus=rp1,netdev=wire,mac={node.wire_mac},romfile=",
+        "-netdev", f"user,id=mgmt,net={MGMT_NET}.0/24,host={MGMT_NET}.2,restrict=on,{forwards}",
+        "-device", f"virtio-net-pci,netdev=mgmt,mac={node.mgmt_mac},romfile=",
+    ]
+
+
+def _venv_python() -> str:
+    return sys.executable
+
+
+def _checkout() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+def up(out: Any = sys.stdout) -> LabState:
+    """Boot both nodes; return once both agents answer."""
+    existing = LabState.load()
+    if existing is not None:
+        alive = [n.name for n in existing.nodes.values() if _alive(n.pid)]
+        if alive:
+            raise LabError(f"a lab is already up (nodes {', '.join(alive)})",
+                           hint="use it, or `kvctl lab down` first")
+        print("kvctl lab: cleaning up after a lab that did not shut down", file=out)
+        down(quiet=True)
+    reason = why_lab_cannot_run()
+    if reason:
+        raise LabError(f"cannot start the lab: {reason}")
+    kernel = find_kernel()
+    assert kernel is not None
+    checkout = _checkout()
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    initramfs.build(kernel, BUSYBOX, STATE_DIR / "initramfs.cpio")
+    state = LabState(kernel=kernel, started=time.time())
+    started = time.monotonic()
+    try:
+        for position, node in enumerate(NODES):
+            ports = {name: _free_port() for name in FORWARDED}
+            console = STATE_DIR / f"{node.name}.console"
+            console.unlink(missing_ok=True)
+            with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:
+                # Its own session: the node outlives this command until `down`.
+                process = subprocess.Popen(
+                    _qemu_command(node, kernel, ports, _venv_python(), checkout, position == 0),
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+            state.nodes[node.name] = NodeState(node.name, process.pid, node.wire_address,
+                                               ports, str(console))
+            state.save()
+            if position == 0:
+                _wait_for(lambda: (STATE_DIR / "wire.sock").exists(), 20, node.name, state)
+        for node in NODES:
+            _wait_for(functools.partial(_ping, state, node.name), BOOT_TIMEOUT, node.name,
+                      state)
+    except BaseException:
+        down(quiet=True)
+        raise
+    state.booted_seconds = time.monotonic() - started
+    state.save()
+    return state
+
+
+def _wait_for(ready: Callable[[], bool], timeout: float, node: str, state: LabState) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        for other in state.nodes.values():
+            if not _alive(other.pid):
+                raise LabError(f"node {other.name} stopped while booting:\n"
+                               f"{_tail(other)}", hint="the console log above says why")
+        time.sleep(0.25)
+    raise LabError(f"node {node} not ready within {timeout:g} s:\n{_tail(state.nodes[node])}",
+                   hint="a loaded host boots slower under emulation; "
+                   "KVWIRE_LAB_BOOT_TIMEOUT raises the limit")
+
+
+def _tail(node: NodeState, lines: int = 25) -> str:
+    text = ""
+    for path in (Path(node.console), STATE_DIR / f"{node.name}.qemu.log"):
+        with contextlib.suppress(OSError):
+            text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+    return text or "(no console output)"
+
+
+def _connect(state: LabState, node: str, timeout: float = 2.0) -> socket.socket:
+    if node not in state.nodes:
+        raise LabError(f"no lab node named {node!r}", hint=f"nodes: {', '.join(state.nodes)}")
+    return socket.create_connection(("127.0.0.1", state.nodes[node].ports["agent"]), timeout)
+
+
+def _ping(state: LabState, node: str) -> bool:
+    try:
+        with _connect(state, node, 1.0) as sock:
+            wire.send(sock, {"op": "ping"})
+            reply = wire.recv(sock)
+    except OSError:
+        return False
+    return reply is not None and reply.get("t") == "pong"
+
+
+def require_state() -> LabState:
+    state = LabState.load()
+    if state is None or not any(_alive(n.pid) for n in state.nodes.values()):
+        raise LabError("no lab is up", hint="start one with `kvctl lab up`")
+    return state
+
+
+def exec_in(node: str, argv: Sequence[str], *, cwd: str | None = None,
+            env: dict[str, str] | None = None, stdout: BinaryIO | None = None,
+            stderr: BinaryIO | None = None, state: LabState | None = None) -> int:
+    """Run ``argv`` in ``node``, streaming its output; its exit code."""
+    state = state or require_state()
+    bin_dir = str(Path(_venv_python()).parent)
+    environment = {
+        "PATH": f"{bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME": "/root", "LANG": "C.UTF-8", "KVWIRE_LAB_NODE": node,
+        **(env or {}),
+    }
+    out = stdout or sys.stdout.buffer
+    err = stderr or sys.stderr.buffer
+    try:
+        sock = _connect(state, node)
+    except OSError as exc:
+        raise LabError(f"cannot reach the agent of node {node}: {exc}",
+                       hint="`kvctl lab status` shows whether the node is up") from exc
+    with sock:
+        sock.settimeout(None)
+        wire.send(sock, {"op": "exec", "argv": list(argv), "cwd": cwd or os.getcwd(),
+                         "env": environment})
+        while (msg := wire.recv(sock)) is not None:
+            if msg["t"] == "out":
+                out.write(msg["data"])
+                out.flush()
+            elif msg["t"] == "err":
+                err.write(msg["data"])
+                err.flush()
+            elif msg["t"] == "exit":
+                return int(msg["code"])
+    raise LabError(f"node {node} went away while running {argv[0]}")
+
+
+def run_in(node: str, argv: Sequence[str], **kwargs: Any) -> tuple[int, str, str]:
+    """Like ``exec_in``, but collect stdout and stderr as text."""
+    import io
+
+    out, err = io.BytesIO(), io.BytesIO()
+    code = exec_in(node, argv, stdout=out, stderr=err, **kwargs)
+    return code, out.getvalue().decode(errors="replace"), err.getvalue().decode(errors="replace")
+
+
+def status() -> tuple[LabState | None, dict[str, str]]:
+    """The lab's state and, per node, running / not answering / stopped."""
+    state = LabState.load()
+    if state is None:
+        return None, {}
+    health = {}
+    for name, node in state.nodes.items():
+        if not _alive(node.pid):
+            health[name] = "stopped"
+        else:
+            health[name] = "up" if _ping(state, name) else "not answering"
+    return state, health
+
+
+def down(quiet: bool = False, timeout: float = 15.0) -> list[str]:
+    """Power the nodes off (or kill them) and remove every trace of the lab."""
+    state = LabState.load()
+    report: list[str] = []
+    pids = [n.pid for n in state.nodes.values()] if state else []
+    pids += _stray_qemus()
+    if state is not None:
+        for name in state.nodes:
+            with contextlib.suppress(OSError), _connect(state, name, 1.0) as sock:
+                wire.send(sock, {"op": "poweroff"})
+                report.append(f"{name}: powered off")
+    deadline = time.monotonic() + timeout
+    for pid in set(pids):
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            report.append(f"pid {pid}: killed")
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+    shutil.rmtree(STATE_DIR, ignore_errors=True)
+    return report
+
+
+def _stray_qemus() -> list[int]:
+    """QEMU processes of this lab directory's lab, state file or not."""
+    marker = str(STATE_DIR / "initramfs.cpio").encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if cmdline and cmdline[0].endswith(b"qemu-system-x86_64") and marker in cmdline:
+                pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,218 @@
+"""The two-node Soft-RoCE lab: real rdma_rxe in two QEMU guests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvctl.lab import machine
+from kvctl.lab.machine import LabState, run_in
+
+pytestmark = pytest.mark.lab
+
+DECODE = "198.18.78.2"
+
+
+def kvctl(*args: str, env: dict[str, str] | None = None,
+          timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvctl", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_prefill_node_has_an_active_rxe_port(lab: LabState) -> None:
+    result = kvctl("lab", "exec", "prefill", "--", "ibv_devinfo")
+    assert result.returncode == 0, result.stderr
+    assert "hca_id:\trxe0" in result.stdout
+    assert "PORT_ACTIVE" in result.stdout
+    assert "link_layer:\t\tEthernet" in result.stdout
+
+
+def test_exec_streams_output_and_returns_the_exit_code(lab: LabState) -> None:
+    result = kvctl("lab", "exec", "decode", "--", "sh", "-c",
+                   "pwd; hostname; ulimit -l; echo oops >&2; exit 3")
+    assert result.returncode == 3
+    cwd, hostname, memlock = result.stdout.split()
+    assert Path(cwd) == Path.cwd()  # the nodes see the checkout at the same path
+    assert (hostname, memlock) == ("decode", "unlimited")
+    assert result.stderr == "oops\n"
+    missing = kvctl("lab", "exec", "decode", "--", "no-such-command")
+    assert missing.returncode == 127 and "cannot run no-such-command" in missing.stderr
+
+
+def test_pyverbs_sees_rxe0_active_with_a_roce_v2_gid(lab: LabState) -> None:
+    code, out, err = run_in("decode", [sys.executable, "-c", """
+import pyverbs.device as d, pyverbs.enums as e
+from pyverbs.device import Context
+names = [dev.name.decode() for dev in d.get_device_list()]
+ctx = Context(name="rxe0")
+entry = ctx.query_gid_ex(1, 1)
+print(names, ctx.query_port(1).state == e.IBV_PORT_ACTIVE,
+      entry.gid_type == e.IBV_GID_TYPE_ROCE_V2, entry.gid_str())
+"""], state=lab)
+    assert code == 0, err
+    assert out.split()[:3] == ["['rxe0']", "True", "True"]
+    assert out.split()[3].endswith("ffff:c612:4e02")  # ::ffff:198.18.78.2
+
+
+def test_the_wire_nic_has_a_pcie_link_for_the_probe(lab: LabState) -> None:
+    code, out, err = run_in("prefill", ["sh", "-c",
+                                        "cat /sys/class/infiniband/rxe0/parent; "
+                                        "d=$(readlink -f /sys/class/net/wire0/device/..); "
+                                        "cat $d/current_link_speed $d/current_link_width"],
+                            state=lab)
+    assert code == 0, err
+    assert out.splitlines() == ["wire0", "2.5 GT/s PCIe", "1"]
+
+
+def _perftest(tool: str, *args: str) -> str:
+    """Run a perftest pair: server on decode, client on prefill; the client's report."""
+    server: list[tuple[int, str, str]] = []
+    thread = threading.Thread(target=lambda: server.append(run_in(
+        "decode", [tool, "-d", "rxe0", "-x", "1", *args])))
+    thread.start()
+    try:
+        for _ in range(40):  # the server needs a moment to listen
+            time.sleep(0.5)
+            code, out, err = run_in("prefill", [tool, "-d", "rxe0", "-x", "1", *args, DECODE])
+            if "Couldn't connect" not in err + out:
+                break
+    finally:
+        thread.join(120)
+    assert code == 0, out + err
+    assert server and server[0][0] == 0, server
+    return out
+
+
+def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
+    out = _perftest("ib_write_lat", "-s", "512", "-n", "500")
+    row = next(line.split() for line in out.splitlines() if line.strip().startswith("512 "))
+    t_min, t_typical = float(row[2]), float(row[4])
+    print(f"ib_write_lat 512 B: typical {t_typical} us, min {t_min} us, p99 {row[7]} us")
+    assert 0 < t_min <= t_typical
+
+
+def test_ib_write_bw_between_the_nodes(lab: LabState) -> None:
+    out = _perftest("ib_write_bw", "-s", "1048576", "-n", "100")
+    row = next(line.split() for line in out.splitlines()
+               if line.strip().startswith("1048576 "))
+    average_mb_s = float(row[3])
+    print(f"ib_write_bw 1 MiB: {average_mb_s * 8 / 1000:.3f} Gb/s average")
+    assert average_mb_s > 0
+
+
+def test_management_ports_reach_the_nodes_from_host_loopback(lab: LabState) -> None:
+    # Something listening on the decode node's metrics port (a directory
+    # listing of the checkout) must answer on the host's forwarded port.
+    code, out, err = run_in("decode", ["sh", "-c",
+                                       f"setsid {sys.executable} -m http.server 9471 "
+                                       ">/dev/null 2>&1 </dev/null & echo $!"], state=lab)
+    assert code == 0, err
+    server_pid = out.strip()
+    port = lab.nodes["decode"].ports["metrics_receiver"]
+    deadline = time.monotonic() + 30
+    reply = b""
+    try:
+        while time.monotonic() < deadline and b"kvwired" not in reply:
+            try:
+                with socket.create_connection(("127.0.0.1", port), 2) as sock:
+                    sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                    sock.settimeout(5)
+                    reply = b"".join(iter(lambda: sock.recv(65536), b""))
+            except OSError:
+                time.sleep(0.3)
+    finally:
+        run_in("decode", ["kill", server_pid], state=lab)
+    assert b"kvwired" in reply
+
+
+def test_status_lists_the_ports_and_a_second_lab_is_refused(lab: LabState) -> None:
+    status = kvctl("lab", "status")
+    assert status.returncode == 0
+    for node in lab.nodes.values():
+        assert f"127.0.0.1:{node.ports['control']}" in status.stdout
+        assert re.search(rf"{node.name}\s+up\s+{re.escape(node.wire_address)}", status.stdout)
+    second = kvctl("lab", "up")
+    assert second.returncode == 2
+    assert "already up" in second.stderr and "kvctl lab down" in second.stderr
+
+
+def test_down_after_a_crashed_up_leaves_nothing(lab: LabState, tmp_path: Path) -> None:
+    # A separate lab (its own state directory), killed half-way through `up`.
+    state_dir = Path("/var/tmp") / f"kvwire-lab-crash-{os.getpid()}"
+    env = {"KVWIRE_LAB_DIR": str(state_dir)}
+    up = subprocess.Popen([sys.executable, "-m", "kvctl", "lab", "up"],
+                          env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (state_dir / "state.json").exists():
+        time.sleep(0.2)
+    time.sleep(1)
+    up.send_signal(signal.SIGKILL)
+    up.wait()
+    crashed = machine_state(state_dir)
+    assert crashed, "up did not get far enough to start a node"
+    assert any(_running(pid) for pid in crashed)
+
+    down = kvctl("lab", "down", env=env)
+    assert down.returncode == 0, down.stderr
+    assert not state_dir.exists()
+    assert not any(_running(pid) for pid in crashed)
+    assert not _qemus_of(state_dir)
+    # And the session's own lab was left alone.
+    assert kvctl("lab", "status").returncode == 0
+
+
+def machine_state(state_dir: Path) -> list[int]:
+    import json
+
+    try:
+        raw = json.loads((state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [node["pid"] for node in raw["nodes"].values()]
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return not stat.split(") ")[-1].startswith("Z")
+
+
+def _qemus_of(state_dir: Path) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"qemu-system" in cmdline and str(state_dir).encode() in cmdline:
+                found.append(entry.name)
+    return found
+
+
+def test_zz_session_lab_down_leaves_nothing(lab: LabState) -> None:
+    """Last in the file: `down` on the session's lab, then look for leftovers."""
+    pids = [node.pid for node in lab.nodes.values()]
+    ports = [port for node in lab.nodes.values() for port in node.ports.values()]
+    result = kvctl("lab", "down")
+    assert result.returncode == 0, result.stderr
+    assert "powered off" in result.stdout
+    assert not any(_running(pid) for pid in pids)
+    assert not machine.STATE_DIR.exists()
+    assert not _qemus_of(machine.STATE_DIR)
+    for port in ports:
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
+    assert kvctl("lab", "status").returncode == 1
