@@ -41,7 +41,12 @@ def parse_address(text: str, default_port: int) -> tuple[str, int]:
 @dataclass
 class CommonConfig:
     name: str = _opt("", "name of this node, shown to peers and in metrics")
-    transport: str = _opt("tcp", "data path: tcp (verbs arrives with the RDMA transport)")
+    transport: str = _opt(
+        "auto", "data path: verbs (RDMA, RoCE v2), tcp, or auto (verbs where an RDMA "
+        "device exists)")
+    rdma_device: str = _opt("", "verbs: RDMA device (default: the one whose RoCE v2 GID "
+                            "holds the control connection's address)")
+    gid_index: int = _opt(-1, "verbs: GID table index to use (default -1: chosen by address)")
     metrics: str = _opt(
         "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
     )
@@ -179,9 +184,9 @@ def _convert(f: dataclasses.Field[Any], value: Any) -> Any:
 
 
 def _check(config: CommonConfig) -> None:
-    if config.transport not in ("tcp",):
+    if config.transport not in ("auto", "verbs", "tcp"):
         raise ConfigError(
-            f"unknown transport {config.transport!r}", hint="this release supports: tcp"
+            f"unknown transport {config.transport!r}", hint="use verbs, tcp or auto"
         )
     if config.log_format not in ("auto", "json", "console"):
         raise ConfigError(f"log_format {config.log_format!r}: use auto, json or console")

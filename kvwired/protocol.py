@@ -47,7 +47,7 @@ Schema = Mapping[str, Mapping[str, Field]]
 # Sender daemon <-> receiver daemon, over TCP.
 CONTROL: Schema = {
     "hello": {"role": STR, "name": STR, "transports": _f(list)},
-    "welcome": {"name": STR, "transport": STR, "credits": INT, "region": DICT},
+    "welcome": {"name": STR, "transport": STR, "credits": INT},
     "connect": {"params": DICT},
     "ready": {"params": DICT},
     "open": {"req": STR, "shape": DICT},

@@ -36,8 +36,8 @@ from .metrics import Metrics
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
 from .tasks import spawn
-from .transport.base import RemoteRegion, Responder
-from .transport.tcp import TcpTransport
+from .transport import make_transport
+from .transport.base import Responder
 
 log = structlog.get_logger("kvwired.receiver")
 
@@ -78,7 +78,6 @@ class SenderSession:
     credits_to_return: int = 0
     alive: bool = True
     writes_counted: int = 0
-    bytes_counted: int = 0
 
 
 class ReceiverDaemon:
@@ -86,10 +85,7 @@ class ReceiverDaemon:
         self.config = config
         self.metrics = Metrics("receiver")
         self.pool: Pool | None = None
-        self.transport = TcpTransport(
-            parse_address(config.listen, 7471)[0], config.data_port
-        )
-        self.region: RemoteRegion | None = None
+        self.transport = make_transport(config)
         self.leases: dict[int, Lease] = {}
         self.by_req: dict[str, Lease] = {}
         self.subscribers: dict[str, set[Consumer]] = {}
@@ -105,8 +101,7 @@ class ReceiverDaemon:
         cfg = self.config
         self.pool = Pool(cfg.pool_size, "receive", full_hint=(
             "decode engines must release delivered requests; or raise pool_size"))
-        self.region = await self.transport.start(self.pool.memory)
-        await self.transport.listen()
+        await self.transport.start(self.pool.memory)
         host, port = parse_address(cfg.listen, 7471)
         try:
             control = await asyncio.start_server(self._serve_sender, host, port, reuse_address=True)
@@ -125,7 +120,7 @@ class ReceiverDaemon:
             "receiver ready",
             name=cfg.name,
             control=f"{host}:{self.control_port}",
-            data_port=self.transport.port,
+            **self.transport.describe(),
             socket=cfg.socket,
             pool_bytes=cfg.pool_size,
             metrics_port=self.metrics_port,
@@ -178,9 +173,8 @@ class ReceiverDaemon:
                 f"this receiver runs {self.transport.name}",
                 hint="configure the same transport on both daemons",
             )
-        assert self.region is not None
         conn.send(message("welcome", name=self.config.name, transport=self.transport.name,
-                          credits=self.config.credits, region=self.region.to_wire()))
+                          credits=self.config.credits))
         connect = await conn.recv(HELLO_TIMEOUT)
         if connect["t"] != "connect":
             raise ProtocolError(f"expected connect, got {connect['t']!r}")
@@ -270,22 +264,23 @@ class ReceiverDaemon:
             return
         for n in range(lease.landed, layer + 1):
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
+        self.metrics.bytes.labels(session.name, "received").inc(
+            (layer + 1 - lease.landed) * lease.shape.layer_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
             lease.state = "landed"
             spawn(self._complete(lease), f"complete-{lease.req}")
 
     def _count_received(self, session: SenderSession) -> None:
-        # Metrics move once per immediate (a layer), not once per write.
+        # Writes as the transport saw them, once per immediate rather than per
+        # write: every write over TCP, only the immediates over verbs (the rest
+        # never involve the receiver's CPU).
         responder = session.responder
         if responder is None:
             return
         writes = responder.writes_received - session.writes_counted
-        data = responder.bytes_received - session.bytes_counted
         session.writes_counted += writes
-        session.bytes_counted += data
         self.metrics.writes.labels(session.name, "received").inc(writes)
-        self.metrics.bytes.labels(session.name, "received").inc(data)
 
     def _return_credit(self, session: SenderSession) -> None:
         # Credits go back in one message per loop turn, not one per immediate.

@@ -38,8 +38,8 @@ from .metrics import Metrics
 from .pool import Pool, Slot
 from .protocol import SENDER_LOCAL, Message, encode, message
 from .tasks import spawn
-from .transport.base import DataChannel, RemoteRegion, Write
-from .transport.tcp import TcpTransport
+from .transport import make_transport
+from .transport.base import DataChannel, Write
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -130,11 +130,14 @@ class PeerLink:
             conn.send(message("hello", role="sender", name=cfg.name,
                               transports=[transport.name]))
             welcome = await self._expect(conn, "welcome")
-            remote = RemoteRegion.from_wire(welcome["region"])
-            initiator = transport.initiator()
-            conn.send(message("connect", params=await initiator.offer()))
-            ready = await self._expect(conn, "ready")
-            self.channel = await initiator.complete(ready["params"], remote)
+            initiator = transport.initiator(conn.local_host)
+            try:
+                conn.send(message("connect", params=await initiator.offer()))
+                ready = await self._expect(conn, "ready")
+                self.channel = await initiator.complete(ready["params"])
+            except BaseException:
+                initiator.abandon()
+                raise
         except BaseException:
             conn.close()
             raise
@@ -250,7 +253,7 @@ class SenderDaemon:
         self.config = config
         self.metrics = Metrics("sender")
         self.staging: Pool | None = None
-        self.transport = TcpTransport()
+        self.transport = make_transport(config)
         self.links = {name: PeerLink(self, name, addr) for name, addr in config.peers.items()}
         self.pushes: dict[str, Push] = {}
         self._servers: list[asyncio.AbstractServer] = []
@@ -265,7 +268,7 @@ class SenderDaemon:
         # The unix socket comes last: once it accepts, the daemon is ready.
         self._servers.append(await serve_unix(cfg.socket, self._serve_engine))
         self._update_pool_metrics()
-        log.info("sender ready", name=cfg.name, socket=cfg.socket,
+        log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
                  chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
 

@@ -30,8 +30,7 @@ from kvwired.protocol import (
 ERR = {"code": "pool_full", "message": "m", "hint": "h"}
 EXAMPLES: list[tuple[Schema, dict[str, Any]]] = [
     (CONTROL, message("hello", role="sender", name="p", transports=["tcp"])),
-    (CONTROL, message("welcome", name="d", transport="tcp", credits=64,
-                      region={"key": 1, "size": 2})),
+    (CONTROL, message("welcome", name="d", transport="tcp", credits=64)),
     (CONTROL, message("connect", params={})),
     (CONTROL, message("ready", params={"host": "h", "port": 1, "token": b"\x00" * 16})),
     (CONTROL, message("open", req="r", shape={"layers": 24, "layer_bytes": 2 << 20})),

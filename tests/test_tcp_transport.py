@@ -24,12 +24,14 @@ class Pair:
 
     async def connect(self, region: RemoteRegion | None = None):  # type: ignore[no-untyped-def]
         await self.src.start(self.src_memory)
-        real_region = await self.dst.start(self.dst_memory)
+        await self.dst.start(self.dst_memory)
         await self.dst.listen()
         responder = self.dst.responder("127.0.0.1", self.immediates.append, self.errors.append)
-        initiator = self.src.initiator()
+        initiator = self.src.initiator("127.0.0.1")
         answer = await responder.accept(await initiator.offer())
-        return await initiator.complete(answer, region or real_region)
+        if region is not None:
+            answer["region"] = region.to_wire()
+        return await initiator.complete(answer)
 
     async def close(self) -> None:
         await self.dst.stop()

@@ -41,7 +41,7 @@ class Write(NamedTuple):
 
 @dataclass(frozen=True)
 class RemoteRegion:
-    """What a responder tells initiators about its registered memory."""
+    """What a responder tells its initiator about its registered memory."""
 
     key: int
     size: int
@@ -77,12 +77,12 @@ class DataChannel(ABC):
 class Responder(ABC):
     """The receiving end, made for one initiator.
 
-    ``writes_received`` and ``bytes_received`` count what has been placed so
-    far; the daemon turns them into metrics without a call per write.
+    ``writes_received`` counts the writes this end saw land (all of them over
+    TCP; over verbs only those with an immediate, as the others complete
+    without the receiver's CPU); the daemon reads it once per immediate.
     """
 
     writes_received: int = 0
-    bytes_received: int = 0
 
     @abstractmethod
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
@@ -93,11 +93,18 @@ class Responder(ABC):
 
 
 class Initiator(ABC):
+    """The sending end, being connected: offer, then complete with the answer."""
+
     @abstractmethod
     async def offer(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    async def complete(self, answer: dict[str, Any], remote: RemoteRegion) -> DataChannel: ...
+    async def complete(self, answer: dict[str, Any]) -> DataChannel:
+        """Finish the connection; the answer also describes the remote region."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Release what ``offer`` set up when ``complete`` will never be called."""
 
 
 class Transport(ABC):
@@ -106,16 +113,22 @@ class Transport(ABC):
     name: str
 
     @abstractmethod
-    async def start(self, memory: SharedMemory) -> RemoteRegion:
-        """Register ``memory`` (and bind listeners); return its remote description."""
+    async def start(self, memory: SharedMemory) -> None:
+        """Take ``memory`` as this daemon's pool (checks, registration, listeners)."""
 
     @abstractmethod
-    def initiator(self) -> Initiator: ...
+    def initiator(self, local_host: str) -> Initiator:
+        """A connection from ``local_host`` (the control connection's own address)."""
 
     @abstractmethod
     def responder(
-        self, advertise_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
-    ) -> Responder: ...
+        self, local_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
+    ) -> Responder:
+        """A responder on ``local_host``, the address the initiator reached us at."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What to log about this data path at start."""
 
     @abstractmethod
     async def stop(self) -> None: ...

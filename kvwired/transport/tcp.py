@@ -69,7 +69,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         # A large payload being received in place: (pool offset, bytes left).
         self._direct: tuple[int, int] | None = None
-        self._direct_done: tuple[int, int, int, int] = (0, 0, 0, 0)  # flags, imm, wr_id, len
+        self._direct_done: tuple[int, int, int] = (0, 0, 0)  # flags, imm, wr_id
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -122,14 +122,14 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
             if available >= length:
                 memory[offset : offset + length] = view[body : body + length]
                 self._start = body + length
-                self._finish_write(flags, imm, wr_id, length)
+                self._finish_write(flags, imm, wr_id)
                 continue
             if length < DIRECT_THRESHOLD:
                 return  # wait for the rest of a small frame in the bounce buffer
             memory[offset : offset + available] = view[body : self._end]
             self._start = self._end
             self._direct = (offset + available, length - available)
-            self._direct_done = (flags, imm, wr_id, length)
+            self._direct_done = (flags, imm, wr_id)
             return
 
     def _bind(self, token: bytes) -> None:
@@ -139,10 +139,9 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         self._responder = responder
         responder.attached(self)
 
-    def _finish_write(self, flags: int, imm: int, wr_id: int, length: int) -> None:
+    def _finish_write(self, flags: int, imm: int, wr_id: int) -> None:
         assert self._responder is not None and self._transport is not None
         self._responder.writes_received += 1
-        self._responder.bytes_received += length
         if flags & FLAG_SIGNALED:
             self._transport.write(HEADER.pack(OP_ACK, 0, 0, 0, 0, 0, wr_id))
         if flags & FLAG_IMM:
@@ -185,7 +184,8 @@ class TcpResponder(Responder):
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._owner.expect(self._token, self)
-        return {"host": self._host, "port": self._owner.port, "token": self._token}
+        return {"host": self._host, "port": self._owner.port, "token": self._token,
+                "region": self._owner.region.to_wire()}
 
     def attached(self, protocol: _ResponderProtocol) -> None:
         self._protocol = protocol
@@ -342,9 +342,13 @@ class TcpInitiator(Initiator):
     async def offer(self) -> dict[str, Any]:
         return {}
 
-    async def complete(self, answer: dict[str, Any], remote: RemoteRegion) -> DataChannel:
+    def abandon(self) -> None:
+        pass  # the TCP data connection is only made in complete()
+
+    async def complete(self, answer: dict[str, Any]) -> DataChannel:
         try:
             host, port, token = str(answer["host"]), int(answer["port"]), bytes(answer["token"])
+            remote = RemoteRegion.from_wire(answer["region"])
         except (KeyError, TypeError, ValueError) as exc:
             raise TransportError(f"receiver sent unusable TCP parameters: {answer!r}") from exc
         channel = TcpDataChannel(self._owner.memory_view, remote)
@@ -355,9 +359,11 @@ class TcpInitiator(Initiator):
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, listen_host: str = "0.0.0.0", data_port: int = 0) -> None:
+    def __init__(self, listen_host: str = "0.0.0.0", data_port: int = 0,
+                 listen: bool = False) -> None:
         self._listen_host = listen_host
         self._data_port = data_port
+        self._listen = listen
         self._memory: SharedMemory | None = None
         self._key = 0
         self._server: asyncio.Server | None = None
@@ -373,10 +379,21 @@ class TcpTransport(Transport):
         assert self._server is not None, "responder side not listening"
         return int(self._server.sockets[0].getsockname()[1])
 
-    async def start(self, memory: SharedMemory) -> RemoteRegion:
+    async def start(self, memory: SharedMemory) -> None:
         self._memory = memory
         self._key = secrets.randbits(32)
-        return RemoteRegion(self._key, memory.size)
+        if self._listen:
+            await self.listen()
+
+    def describe(self) -> dict[str, Any]:
+        if self._server is None:
+            return {"transport": self.name}
+        return {"transport": self.name, "data_port": self.port}
+
+    @property
+    def region(self) -> RemoteRegion:
+        assert self._memory is not None, "transport not started"
+        return RemoteRegion(self._key, self._memory.size)
 
     async def listen(self) -> None:
         """Bind the data listener (responder side only)."""
@@ -412,13 +429,13 @@ class TcpTransport(Transport):
     def forget(self, token: bytes) -> None:
         self._expected.pop(token, None)
 
-    def initiator(self) -> Initiator:
+    def initiator(self, local_host: str) -> Initiator:
         return TcpInitiator(self)
 
     def responder(
-        self, advertise_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
+        self, local_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
     ) -> Responder:
-        return TcpResponder(self, advertise_host, on_immediate, on_error)
+        return TcpResponder(self, local_host, on_immediate, on_error)
 
     async def stop(self) -> None:
         if self._server is not None:

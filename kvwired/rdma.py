@@ -1,0 +1,142 @@
+"""RDMA facts read from the system: devices, GID tables, memlock.
+
+Everything here reads sysfs and resource limits only (no verbs calls), so it
+works, and is tested, on machines without RDMA.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError, TransportError
+from .units import format_size
+
+SYSFS = Path("/sys/class/infiniband")
+ROCE_V2 = "RoCE v2"
+# Queue pairs, completion queues and receive rings pin a little memory of
+# their own on top of the pools.
+MEMLOCK_SLACK = 16 << 20
+
+
+class MemlockTooLow(ConfigError):
+    code = "memlock"
+
+
+class NoRdmaPath(TransportError):
+    """No usable device, port or GID for the address at hand."""
+
+    code = "no_rdma_path"
+
+
+@dataclass(frozen=True)
+class GidEntry:
+    device: str
+    port: int
+    index: int
+    gid: ipaddress.IPv6Address
+    type: str
+    netdev: str
+
+    @property
+    def ipv4(self) -> str | None:
+        mapped = self.gid.ipv4_mapped
+        return None if mapped is None else str(mapped)
+
+    def __str__(self) -> str:
+        return (f"{self.device} port {self.port} index {self.index}: {self.gid} "
+                f"({self.type}, {self.netdev or 'no netdev'})")
+
+
+def devices(root: Path = SYSFS) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:  # unpopulated GID entries answer EINVAL
+        return None
+
+
+def gid_table(root: Path = SYSFS) -> list[GidEntry]:
+    """Every populated GID entry of every port of every device."""
+    entries = []
+    for device in devices(root):
+        for port_dir in sorted((root / device / "ports").iterdir()):
+            for gid_file in sorted((port_dir / "gids").iterdir(), key=lambda p: int(p.name)):
+                raw = _read(gid_file)
+                if raw is None:
+                    continue
+                gid = ipaddress.IPv6Address(raw)
+                if gid == ipaddress.IPv6Address(0):
+                    continue
+                gid_type = _read(port_dir / "gid_attrs" / "types" / gid_file.name) or "?"
+                netdev = _read(port_dir / "gid_attrs" / "ndevs" / gid_file.name) or ""
+                entries.append(GidEntry(device, int(port_dir.name), int(gid_file.name), gid,
+                                        gid_type, netdev))
+    return entries
+
+
+def pick_gid(local_ip: str, device: str = "", gid_index: int = -1,
+             root: Path = SYSFS) -> GidEntry:
+    """The RoCE v2 GID through which ``local_ip`` reaches its peer.
+
+    By default: the RoCE v2 entry whose address is ``local_ip`` (the address
+    the control connection uses, so the data path follows the same netdev).
+    ``device`` and ``gid_index`` override the choice.
+    """
+    table = gid_table(root)
+    if not table:
+        raise NoRdmaPath(
+            "no RDMA device with a populated GID table on this host",
+            hint="load a driver, or for Soft-RoCE: rdma link add rxe0 type rxe netdev IFACE; "
+            "or use transport = \"tcp\"")
+    listing = "; ".join(str(e) for e in table)
+    if gid_index >= 0:
+        chosen = [e for e in table if e.index == gid_index and (not device or e.device == device)]
+        if not chosen:
+            raise NoRdmaPath(f"no GID index {gid_index}{' on ' + device if device else ''}",
+                             hint=f"populated entries: {listing}")
+        if chosen[0].type != ROCE_V2:
+            raise NoRdmaPath(f"GID {chosen[0]} is {chosen[0].type}, not {ROCE_V2}",
+                             hint=f"pick a RoCE v2 entry: {listing}")
+        return chosen[0]
+    wanted = ipaddress.ip_address(local_ip)
+    for entry in table:
+        if entry.type != ROCE_V2 or (device and entry.device != device):
+            continue
+        address = entry.gid.ipv4_mapped if wanted.version == 4 else entry.gid
+        if address == wanted:
+            return entry
+    raise NoRdmaPath(
+        f"no RoCE v2 GID for local address {local_ip}"
+        f"{' on device ' + device if device else ''}",
+        hint=f"the data path must use the netdev the control connection uses; "
+        f"bind rxe/the RNIC to it or set rdma_device and gid_index. Entries: {listing}")
+
+
+def check_memlock(needed: int, what: str) -> None:
+    """Refuse early, and say how to fix it, when pinning ``needed`` bytes would fail."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = needed + MEMLOCK_SLACK
+    if soft != resource.RLIM_INFINITY and soft < need:
+        raise MemlockTooLow(
+            f"the locked-memory limit (RLIMIT_MEMLOCK) is {format_size(soft)}, but {what} "
+            f"must pin {format_size(need)} for RDMA",
+            hint="under systemd set LimitMEMLOCK=infinity in the unit (limits.conf does not "
+            "apply to services); by hand run `ulimit -l unlimited` (as root) first; or "
+            "shrink the pool")
+
+
+def rdma_available(root: Path = SYSFS) -> bool:
+    """Whether the verbs transport can run here: a device and pyverbs."""
+    if not devices(root):
+        return False
+    try:
+        import pyverbs.device  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,579 @@
+"""The RDMA data path: pyverbs, RC queue pairs, RoCE v2 (Soft-RoCE included).
+
+What the code must respect (docs/DESIGN.md, "RDMA facts"):
+
+- memlock is checked before the pool is registered (``rdma.check_memlock``);
+- the GID is the RoCE v2 entry of the address the control connection uses,
+  so data follows the control path's netdev; port state and MTU are checked
+  and the path MTU is the smaller active MTU of the two ends;
+- every QP transition is followed by a query of the state, and a mismatch is
+  an error naming the step and the attributes;
+- receives are posted before the peer learns the QP, and one is re-posted for
+  every one consumed, before the credit for it goes back;
+- retries are bounded (``rnr_retry`` 6, never the endless 7): a missing
+  receive or a dead peer becomes a completion error within seconds;
+- writes are posted as lists through the QPEx ``wr_*`` API, one signalled
+  work request per post (and every ``SIGNAL_EVERY``), completions polled in
+  batches;
+- completions wake the event loop through the completion channel's file
+  descriptor: no thread, no spinning while idle, no polling interval added
+  while busy. pyverbs 44 does not expose that descriptor, so it is found as
+  the ``[infinibandevent]`` descriptor that creating the channel opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import os
+import random
+import socket
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyverbs.enums as e
+import structlog
+from pyverbs.addr import AHAttr, GlobalRoute
+from pyverbs.cq import CQ, CompChannel, cqe_status_to_str
+from pyverbs.device import Context
+from pyverbs.mr import MR
+from pyverbs.pd import PD
+from pyverbs.pyverbs_error import PyverbsError
+from pyverbs.qp import QPAttr, QPCap, QPEx, QPInitAttrEx
+from pyverbs.wr import SGE, RecvWR
+
+from ..errors import TransportError
+from ..pool import SharedMemory
+from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid
+from .base import (
+    DataChannel,
+    ErrorHandler,
+    ImmediateHandler,
+    Initiator,
+    Responder,
+    Transport,
+    Write,
+)
+
+log = structlog.get_logger("kvwired.transport.verbs")
+
+SQ_DEPTH = 1024
+SIGNAL_EVERY = SQ_DEPTH // 4
+POLL_BATCH = 64
+QP_TIMEOUT = 14  # 4.096 us x 2^14 = 67 ms before a retry
+RETRY_COUNT = 7  # 7 tries: a dead peer is an error in about half a second
+RNR_RETRY = 6  # bounded; 7 would mean "retry forever", a silent hang
+MIN_RNR_TIMER = 12
+MTU_BYTES = {e.IBV_MTU_256: 256, e.IBV_MTU_512: 512, e.IBV_MTU_1024: 1024,
+             e.IBV_MTU_2048: 2048, e.IBV_MTU_4096: 4096}
+STATE_NAMES = {e.IBV_QPS_RESET: "RESET", e.IBV_QPS_INIT: "INIT", e.IBV_QPS_RTR: "RTR",
+               e.IBV_QPS_RTS: "RTS", e.IBV_QPS_ERR: "ERR"}
+HINTS = {
+    e.IBV_WC_RETRY_EXC_ERR: "the peer did not acknowledge: it is gone, or the GID/network "
+    "between the nodes is wrong",
+    e.IBV_WC_RNR_RETRY_EXC_ERR: "the receiver had no receive posted (its queue ran dry)",
+    e.IBV_WC_REM_ACCESS_ERR: "the write fell outside the receiver's registered region",
+    e.IBV_WC_WR_FLUSH_ERR: "flushed after an earlier error on the same queue pair",
+}
+
+
+def _address_of(memory: SharedMemory) -> int:
+    # The temporary ctypes view is dropped at once, so the mmap stays closable.
+    return ctypes.addressof(ctypes.c_char.from_buffer(memory.map))
+
+
+def _infiniband_event_fds() -> set[int]:
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[infinibandevent]":
+                found.add(int(name))
+    return found
+
+
+def completion_error(status: int, qp_num: int, what: str) -> TransportError:
+    text = cqe_status_to_str(status)
+    return TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
+                          hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
+                                         "the next request"))
+
+
+class _Device:
+    """One opened RDMA device: context, protection domain, the pool's MR."""
+
+    def __init__(self, name: str, memory: SharedMemory, remote_write: bool) -> None:
+        self.name = name
+        self.context = Context(name=name)
+        self.pd = PD(self.context)
+        access = e.IBV_ACCESS_LOCAL_WRITE
+        if remote_write:
+            access |= e.IBV_ACCESS_REMOTE_WRITE
+        self.base = _address_of(memory)
+        try:
+            self.mr = MR(self.pd, memory.size, access, address=self.base)
+        except PyverbsError as exc:
+            raise TransportError(
+                f"registering the {memory.size} B pool with {name} failed: {exc}",
+                hint="check the locked-memory limit (ulimit -l / LimitMEMLOCK=)") from exc
+
+    def port_mtu(self, port: int) -> int:
+        attr = self.context.query_port(port)
+        if attr.state != e.IBV_PORT_ACTIVE:
+            raise NoRdmaPath(f"{self.name} port {port} is not ACTIVE (state {attr.state})",
+                             hint="check the link under the device (ip link, rdma link)")
+        return int(attr.active_mtu)
+
+    def max_message(self, port: int) -> int:
+        return int(self.context.query_port(port).max_msg_sz)
+
+    def close(self) -> None:
+        for resource in (self.mr, self.pd, self.context):
+            with contextlib.suppress(PyverbsError):
+                resource.close()
+
+
+class _CompletionQueue:
+    """A CQ whose completion channel wakes the event loop."""
+
+    def __init__(self, device: _Device, depth: int,
+                 on_completions: Callable[[list[Any]], None]) -> None:
+        before = _infiniband_event_fds()
+        self.channel = CompChannel(device.context)
+        created = _infiniband_event_fds() - before
+        if len(created) != 1:
+            self.channel.close()
+            raise TransportError("cannot find the completion channel's file descriptor")
+        self.fd = created.pop()
+        # Non-blocking, so a spurious wake-up can never block the loop in
+        # ibv_get_cq_event (which pyverbs calls holding the GIL).
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        self.cq = CQ(device.context, depth, None, self.channel, 0)
+        self._on_completions = on_completions
+        self._loop = asyncio.get_running_loop()
+        self.cq.req_notify()
+        self._loop.add_reader(self.fd, self._woken)
+        self.closed = False
+
+    def _woken(self) -> None:
+        try:
+            self.channel.get_cq_event(self.cq)
+        except PyverbsError:
+            return  # nothing pending after all
+        self.cq.ack_events(1)
+        # Re-arm before draining: a completion arriving meanwhile still wakes us.
+        self.cq.req_notify()
+        self.drain()
+
+    def drain(self) -> None:
+        while not self.closed:
+            count, completions = self.cq.poll(POLL_BATCH)
+            if not count:
+                return
+            self._on_completions(completions)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._loop.remove_reader(self.fd)
+        for resource in (self.cq, self.channel):
+            with contextlib.suppress(PyverbsError):
+                resource.close()
+
+
+@dataclass
+class _Endpoint:
+    """What one side tells the other to connect their queue pairs."""
+
+    qpn: int
+    psn: int
+    gid: str
+    mtu: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"qpn": self.qpn, "psn": self.psn, "gid": self.gid, "mtu": self.mtu}
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> _Endpoint:
+        try:
+            return cls(int(data["qpn"]), int(data["psn"]), str(data["gid"]), int(data["mtu"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"peer sent unusable verbs parameters: {data!r}") from exc
+
+
+class _QueuePair:
+    """An RC QP and its CQ, driven RESET -> INIT -> RTR -> RTS with checks."""
+
+    def __init__(self, device: _Device, gid: GidEntry, recv_depth: int,
+                 on_completions: Callable[[list[Any]], None]) -> None:
+        self.device = device
+        self.gid = gid
+        self.mtu = device.port_mtu(gid.port)
+        self.cq = _CompletionQueue(device, SQ_DEPTH + recv_depth + 1, on_completions)
+        try:
+            init = QPInitAttrEx(
+                qp_type=e.IBV_QPT_RC, pd=device.pd, scq=self.cq.cq, rcq=self.cq.cq,
+                cap=QPCap(max_send_wr=SQ_DEPTH, max_recv_wr=max(recv_depth, 1),
+                          max_send_sge=1, max_recv_sge=1),
+                comp_mask=e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
+                send_ops_flags=e.IBV_QP_EX_WITH_RDMA_WRITE
+                | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM,
+                sq_sig_all=0)
+            self.qp = QPEx(device.context, init)
+        except PyverbsError as exc:
+            self.cq.close()
+            raise TransportError(f"creating a queue pair on {device.name} failed: {exc}") from exc
+        self.psn = random.randrange(1 << 24)
+        self._to_init()
+
+    @property
+    def endpoint(self) -> _Endpoint:
+        return _Endpoint(self.qp.qp_num, self.psn, str(self.gid.gid), self.mtu)
+
+    def _modify(self, attr: Any, mask: int, step: str, expected: int, detail: str) -> None:
+        try:
+            self.qp.modify(attr, mask)
+        except PyverbsError as exc:
+            raise TransportError(f"QP {self.qp.qp_num} {step} failed: {exc}",
+                                 hint=f"attributes: {detail} (mask {mask:#x})") from exc
+        state = self.qp.query(e.IBV_QP_STATE)[0].qp_state
+        if state != expected:
+            raise TransportError(
+                f"QP {self.qp.qp_num} {step}: state is {STATE_NAMES.get(state, state)} after "
+                f"the transition, expected {STATE_NAMES[expected]}",
+                hint=f"attributes: {detail} (mask {mask:#x})")
+
+    def _to_init(self) -> None:
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_INIT
+        attr.pkey_index = 0
+        attr.port_num = self.gid.port
+        attr.qp_access_flags = e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_LOCAL_WRITE
+        mask = e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS
+        self._modify(attr, mask, "RESET->INIT", e.IBV_QPS_INIT,
+                     f"port {self.gid.port}, pkey index 0, access remote write")
+
+    def connect(self, remote: _Endpoint) -> None:
+        """INIT -> RTR -> RTS towards ``remote``."""
+        mtu = min(self.mtu, remote.mtu)
+        route = GlobalRoute(dgid=_gid(remote.gid), sgid_index=self.gid.index, hop_limit=64)
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_RTR
+        attr.path_mtu = mtu
+        attr.dest_qp_num = remote.qpn
+        attr.rq_psn = remote.psn
+        attr.max_dest_rd_atomic = 1
+        attr.min_rnr_timer = MIN_RNR_TIMER
+        attr.ah_attr = AHAttr(gr=route, is_global=1, port_num=self.gid.port)
+        mask = (e.IBV_QP_STATE | e.IBV_QP_AV | e.IBV_QP_PATH_MTU | e.IBV_QP_DEST_QPN
+                | e.IBV_QP_RQ_PSN | e.IBV_QP_MAX_DEST_RD_ATOMIC | e.IBV_QP_MIN_RNR_TIMER)
+        self._modify(attr, mask, "INIT->RTR", e.IBV_QPS_RTR,
+                     f"remote QPN {remote.qpn}, remote PSN {remote.psn}, remote GID "
+                     f"{remote.gid}, local GID index {self.gid.index}, path MTU "
+                     f"{MTU_BYTES.get(mtu, mtu)}")
+        attr = QPAttr()
+        attr.qp_state = e.IBV_QPS_RTS
+        attr.sq_psn = self.psn
+        attr.timeout = QP_TIMEOUT
+        attr.retry_cnt = RETRY_COUNT
+        attr.rnr_retry = RNR_RETRY
+        attr.max_rd_atomic = 1
+        mask = (e.IBV_QP_STATE | e.IBV_QP_SQ_PSN | e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT
+                | e.IBV_QP_RNR_RETRY | e.IBV_QP_MAX_QP_RD_ATOMIC)
+        self._modify(attr, mask, "RTR->RTS", e.IBV_QPS_RTS,
+                     f"local PSN {self.psn}, timeout {QP_TIMEOUT}, retry {RETRY_COUNT}, "
+                     f"rnr retry {RNR_RETRY}")
+
+    def close(self) -> None:
+        with contextlib.suppress(PyverbsError):
+            self.qp.close()
+        self.cq.close()
+
+
+def _gid(text: str) -> Any:
+    from pyverbs.addr import GID
+
+    return GID(text)
+
+
+@dataclass
+class _Post:
+    writes: Sequence[Write]
+    imm: int | None
+    future: asyncio.Future[None]
+    next: int = 0
+
+
+@dataclass
+class _Signal:
+    wr_id: int
+    count: int  # work requests this completion accounts for
+    future: asyncio.Future[None] | None
+
+
+class VerbsDataChannel(DataChannel):
+    """Posts writes on an RC QP; one completion per post tells they landed."""
+
+    def __init__(self, qp: _QueuePair, remote: dict[str, Any]) -> None:
+        self._qp = qp
+        self._rkey = int(remote["rkey"])
+        self._remote_base = int(remote["addr"])
+        self._remote_size = int(remote["size"])
+        self._lkey = qp.device.mr.lkey
+        self._local_base = qp.device.base
+        self._max_message = qp.device.max_message(qp.gid.port)
+        self._queue: deque[_Post] = deque()
+        self._signals: deque[_Signal] = deque()
+        self._outstanding = 0
+        self._since_signal = 0
+        self._next_wr_id = 1
+        self._error: TransportError | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None
+
+    def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._error is not None:
+            future.set_exception(self._error)
+            return future
+        for w in writes:
+            if w.remote_offset + w.length > self._remote_size:
+                future.set_exception(TransportError(
+                    f"write of {w.length} B at {w.remote_offset} is outside the remote "
+                    f"{self._remote_size} B region"))
+                return future
+        self._queue.append(_Post(self._split(writes), imm, future))
+        self._post_some()
+        return future
+
+    def _split(self, writes: Sequence[Write]) -> Sequence[Write]:
+        # A message may not exceed the port's max_msg_sz (8 MiB on rxe).
+        if all(w.length <= self._max_message for w in writes):
+            return writes
+        pieces = []
+        for w in writes:
+            for start in range(0, w.length, self._max_message):
+                length = min(self._max_message, w.length - start)
+                pieces.append(Write(w.local_offset + start, w.remote_offset + start, length))
+        return pieces
+
+    def _post_some(self) -> None:
+        qp = self._qp.qp
+        while self._queue and self._outstanding < SQ_DEPTH and self._error is None:
+            post = self._queue[0]
+            start = post.next
+            end = min(len(post.writes), start + SQ_DEPTH - self._outstanding)
+            last = len(post.writes) - 1
+            try:
+                qp.wr_start()
+                for i in range(start, end):
+                    w = post.writes[i]
+                    self._since_signal += 1
+                    # Signal the post's last write, every SIGNAL_EVERY, and the last
+                    # of a burst cut short by a full send queue, so every posted
+                    # work request is followed by one whose completion frees it.
+                    signalled = i == last or i == end - 1 or self._since_signal >= SIGNAL_EVERY
+                    qp.wr_id = self._next_wr_id
+                    qp.wr_flags = e.IBV_SEND_SIGNALED if signalled else 0
+                    remote = self._remote_base + w.remote_offset
+                    if i == last and post.imm is not None:
+                        qp.wr_rdma_write_imm(self._rkey, remote, socket.htonl(post.imm))
+                    else:
+                        qp.wr_rdma_write(self._rkey, remote)
+                    qp.wr_set_sge(self._lkey, self._local_base + w.local_offset, w.length)
+                    if signalled:
+                        self._signals.append(_Signal(self._next_wr_id, self._since_signal,
+                                                     post.future if i == last else None))
+                        self._next_wr_id += 1
+                        self._since_signal = 0
+                qp.wr_complete()
+            except PyverbsError as exc:
+                self.fail(TransportError(f"posting RDMA writes failed: {exc}"))
+                return
+            self._outstanding += end - start
+            post.next = end
+            if end == len(post.writes):
+                self._queue.popleft()
+
+    def on_completions(self, completions: list[Any]) -> None:
+        for wc in completions:
+            if wc.status != e.IBV_WC_SUCCESS:
+                self.fail(completion_error(wc.status, self._qp.qp.qp_num, "RDMA write"))
+                return
+            while self._signals:
+                signal = self._signals.popleft()
+                self._outstanding -= signal.count
+                if signal.future is not None and not signal.future.done():
+                    signal.future.set_result(None)
+                if signal.wr_id == wc.wr_id:
+                    break
+        self._post_some()
+
+    def fail(self, error: TransportError) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        log.warning("verbs data channel failed", error=str(error))
+        pending = [s.future for s in self._signals if s.future is not None]
+        pending += [p.future for p in self._queue]
+        self._signals.clear()
+        self._queue.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(error)
+        self._qp.close()
+
+    def close(self) -> None:
+        self.fail(TransportError("data channel closed"))
+
+
+class VerbsInitiator(Initiator):
+    def __init__(self, owner: VerbsTransport, local_host: str) -> None:
+        self._owner = owner
+        self._local_host = local_host
+        self._qp: _QueuePair | None = None
+        self._channel: VerbsDataChannel | None = None
+
+    async def offer(self) -> dict[str, Any]:
+        self._qp = self._owner.queue_pair(self._local_host, 0, self._on_completions)
+        return self._qp.endpoint.to_wire()
+
+    def _on_completions(self, completions: list[Any]) -> None:
+        if self._channel is not None:
+            self._channel.on_completions(completions)
+
+    async def complete(self, answer: dict[str, Any]) -> DataChannel:
+        assert self._qp is not None, "offer() first"
+        self._qp.connect(_Endpoint.from_wire(answer))
+        try:
+            self._channel = VerbsDataChannel(self._qp, answer)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransportError(f"receiver sent no usable region: {answer!r}") from exc
+        return self._channel
+
+    def abandon(self) -> None:
+        if self._qp is not None and self._channel is None:
+            self._qp.close()
+
+
+class VerbsResponder(Responder):
+    """Receives immediates; keeps ``depth`` receives posted, one re-posted per one consumed."""
+
+    def __init__(self, owner: VerbsTransport, local_host: str, on_immediate: ImmediateHandler,
+                 on_error: ErrorHandler, depth: int) -> None:
+        self._owner = owner
+        self._local_host = local_host
+        self._on_immediate = on_immediate
+        self._on_error = on_error
+        self._depth = depth
+        self._qp: _QueuePair | None = None
+        self._receive: Any = None
+        self._closed = False
+
+    async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
+        remote = _Endpoint.from_wire(offer)
+        qp = self._owner.queue_pair(self._local_host, self._depth, self._on_completions)
+        self._qp = qp
+        try:
+            # A WRITE_WITH_IMM consumes a receive but writes nothing into its
+            # buffer: every receive points at the same byte of the pool.
+            sge = SGE(qp.device.base, 1, qp.device.mr.lkey)
+            self._receive = RecvWR(wr_id=0, num_sge=1, sg=[sge])
+            for _ in range(self._depth):
+                qp.qp.post_recv(self._receive)
+            qp.connect(remote)
+        except (PyverbsError, TransportError) as exc:
+            self.close()
+            raise exc if isinstance(exc, TransportError) else TransportError(
+                f"preparing receives failed: {exc}") from exc
+        return {**qp.endpoint.to_wire(), "rkey": qp.device.mr.rkey, "addr": qp.device.base,
+                "size": self._owner.memory_size}
+
+    def _on_completions(self, completions: list[Any]) -> None:
+        assert self._qp is not None
+        for wc in completions:
+            if self._closed:
+                return
+            if wc.status != e.IBV_WC_SUCCESS:
+                self._fail(completion_error(wc.status, self._qp.qp.qp_num, "receive"))
+                return
+            if wc.opcode != e.IBV_WC_RECV_RDMA_WITH_IMM:
+                continue
+            try:
+                self._qp.qp.post_recv(self._receive)  # before the credit goes back
+            except PyverbsError as exc:
+                self._fail(TransportError(f"re-posting a receive failed: {exc}"))
+                return
+            self.writes_received += 1
+            self._on_immediate(socket.ntohl(wc.imm_data))
+
+    def _fail(self, error: TransportError) -> None:
+        if not self._closed:
+            self.close()
+            self._on_error(error)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._qp is not None:
+            self._qp.close()
+
+
+class VerbsTransport(Transport):
+    name = "verbs"
+
+    def __init__(self, device: str = "", gid_index: int = -1, receive_depth: int = 64,
+                 remote_write: bool = False) -> None:
+        self._device_name = device
+        self._gid_index = gid_index
+        self._receive_depth = receive_depth
+        self._remote_write = remote_write
+        self._memory: SharedMemory | None = None
+        self._devices: dict[str, _Device] = {}
+
+    @property
+    def memory_size(self) -> int:
+        assert self._memory is not None
+        return self._memory.size
+
+    async def start(self, memory: SharedMemory) -> None:
+        check_memlock(memory.size, f"the {memory.size} B pool")
+        self._memory = memory
+        # Register now with the configured (or only) device, so a registration
+        # problem stops the daemon at start instead of failing the first request.
+        names = [self._device_name] if self._device_name else devices()
+        if len(names) == 1:
+            self._device(names[0])
+
+    def _device(self, name: str) -> _Device:
+        if name not in self._devices:
+            assert self._memory is not None, "transport not started"
+            self._devices[name] = _Device(name, self._memory, self._remote_write)
+        return self._devices[name]
+
+    def queue_pair(self, local_host: str, recv_depth: int,
+                   on_completions: Callable[[list[Any]], None]) -> _QueuePair:
+        gid = pick_gid(local_host, self._device_name, self._gid_index)
+        return _QueuePair(self._device(gid.device), gid, recv_depth, on_completions)
+
+    def initiator(self, local_host: str) -> Initiator:
+        return VerbsInitiator(self, local_host)
+
+    def responder(
+        self, local_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
+    ) -> Responder:
+        return VerbsResponder(self, local_host, on_immediate, on_error, self._receive_depth)
+
+    def describe(self) -> dict[str, Any]:
+        return {"transport": self.name, "devices": sorted(self._devices) or devices()}
+
+    async def stop(self) -> None:
+        for device in self._devices.values():
+            device.close()
+        self._devices.clear()
+
