@@ -31,6 +31,8 @@ from kvwired.errors import KvwireError
 from . import initramfs, wire
 
 STATE_DIR = Path(os.environ.get("KVWIRE_LAB_DIR", "/var/tmp/kvwire-lab"))
+# Shared read-write with both nodes, at the same path inside them.
+SHARED_DIR = STATE_DIR / "shared"
 BOOT_TIMEOUT = float(os.environ.get("KVWIRE_LAB_BOOT_TIMEOUT", "240"))
 NODE_MEMORY_MIB = 2048
 WIRE_SUBNET = "198.18.78"  # RFC 2544 benchmarking range: nobody else's
@@ -191,6 +193,7 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
         f"kvwire.mgmt={MGMT_NET}.15/24", f"kvwire.mgmtmac={node.mgmt_mac}",
         f"kvwire.gateway={MGMT_NET}.2", f"kvwire.python={python}",
         f"kvwire.checkout={checkout}", f"kvwire.agentport={AGENT_PORT}",
+        f"kvwire.shared={SHARED_DIR}",
     ])
     forwards = ",".join(f"hostfwd=tcp:127.0.0.1:{ports[name]}-:{guest}"
                         for name, guest in FORWARDED.items())
@@ -205,6 +208,8 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
         "-monitor", "none",
         "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,"
                    "multidevs=remap",
+        # Read-write: where nodes leave logs and results for the host.
+        "-virtfs", f"local,path={SHARED_DIR},mount_tag=labshare,security_model=none",
         # The wire NIC behind a PCIe root port: the probe finds a PCIe link.
         "-device", "pcie-root-port,id=rp1,slot=1,chassis=1",
         "-netdev", f"stream,id=wire,server={'on' if first else 'off'},addr.type=unix,"
@@ -239,7 +244,7 @@ def up(out: Any = sys.stdout) -> LabState:
     kernel = find_kernel()
     assert kernel is not None
     checkout = _checkout()
-    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    SHARED_DIR.mkdir(parents=True, exist_ok=True)
     initramfs.build(kernel, BUSYBOX, STATE_DIR / "initramfs.cpio")
     state = LabState(kernel=kernel, started=time.time())
     started = time.monotonic()

@@ -18,6 +18,9 @@ mkdir -p /dev/pts && mount -t devpts devpts /dev/pts
 # /run is the node's own; /tmp, /etc and /var are writable through the
 # overlay (the host's files show through until the node writes its own).
 mount -t tmpfs -o mode=0755 run /run
+shared=$(param shared)
+mkdir -p "$shared" && mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 labshare "$shared" \
+    || die "cannot mount the shared directory $shared"
 ln -sf /proc/self/fd /dev/fd 2>/dev/null
 
 node=$(param node)

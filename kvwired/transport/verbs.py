@@ -37,7 +37,7 @@ from typing import Any
 
 import pyverbs.enums as e
 import structlog
-from pyverbs.addr import AHAttr, GlobalRoute
+from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ, CompChannel, cqe_status_to_str
 from pyverbs.device import Context
 from pyverbs.mr import MR
@@ -232,7 +232,7 @@ class _QueuePair:
 
     @property
     def endpoint(self) -> _Endpoint:
-        return _Endpoint(self.qp.qp_num, self.psn, str(self.gid.gid), self.mtu)
+        return _Endpoint(self.qp.qp_num, self.psn, self.gid.gid.exploded, self.mtu)
 
     def _modify(self, attr: Any, mask: int, step: str, expected: int, detail: str) -> None:
         try:
@@ -260,7 +260,10 @@ class _QueuePair:
     def connect(self, remote: _Endpoint) -> None:
         """INIT -> RTR -> RTS towards ``remote``."""
         mtu = min(self.mtu, remote.mtu)
-        route = GlobalRoute(dgid=_gid(remote.gid), sgid_index=self.gid.index, hop_limit=64)
+        try:
+            route = GlobalRoute(dgid=GID(remote.gid), sgid_index=self.gid.index, hop_limit=64)
+        except PyverbsError as exc:
+            raise TransportError(f"peer GID {remote.gid!r} is unusable: {exc}") from exc
         attr = QPAttr()
         attr.qp_state = e.IBV_QPS_RTR
         attr.path_mtu = mtu
@@ -294,12 +297,6 @@ class _QueuePair:
         self.cq.close()
 
 
-def _gid(text: str) -> Any:
-    from pyverbs.addr import GID
-
-    return GID(text)
-
-
 @dataclass
 class _Post:
     writes: Sequence[Write]
@@ -323,8 +320,9 @@ class VerbsDataChannel(DataChannel):
         self._rkey = int(remote["rkey"])
         self._remote_base = int(remote["addr"])
         self._remote_size = int(remote["size"])
-        self._lkey = qp.device.mr.lkey
         self._local_base = qp.device.base
+        # One SGE, refilled per work request: wr_set_sge copies it into the WQE.
+        self._sge = SGE(qp.device.base, 1, qp.device.mr.lkey)
         self._max_message = qp.device.max_message(qp.gid.port)
         self._queue: deque[_Post] = deque()
         self._signals: deque[_Signal] = deque()
@@ -365,6 +363,7 @@ class VerbsDataChannel(DataChannel):
 
     def _post_some(self) -> None:
         qp = self._qp.qp
+        sge = self._sge
         while self._queue and self._outstanding < SQ_DEPTH and self._error is None:
             post = self._queue[0]
             start = post.next
@@ -383,10 +382,12 @@ class VerbsDataChannel(DataChannel):
                     qp.wr_flags = e.IBV_SEND_SIGNALED if signalled else 0
                     remote = self._remote_base + w.remote_offset
                     if i == last and post.imm is not None:
-                        qp.wr_rdma_write_imm(self._rkey, remote, socket.htonl(post.imm))
+                        qp.wr_rdma_write_imm(self._rkey, remote, post.imm)
                     else:
                         qp.wr_rdma_write(self._rkey, remote)
-                    qp.wr_set_sge(self._lkey, self._local_base + w.local_offset, w.length)
+                    sge.addr = self._local_base + w.local_offset
+                    sge.length = w.length
+                    qp.wr_set_sge(sge)
                     if signalled:
                         self._signals.append(_Signal(self._next_wr_id, self._since_signal,
                                                      post.future if i == last else None))
@@ -396,6 +397,10 @@ class VerbsDataChannel(DataChannel):
             except PyverbsError as exc:
                 self.fail(TransportError(f"posting RDMA writes failed: {exc}"))
                 return
+            except BaseException:
+                with contextlib.suppress(PyverbsError):
+                    qp.wr_abort()
+                raise
             self._outstanding += end - start
             post.next = end
             if end == len(post.writes):
@@ -487,11 +492,14 @@ class VerbsResponder(Responder):
             self._receive = RecvWR(wr_id=0, num_sge=1, sg=[sge])
             for _ in range(self._depth):
                 qp.qp.post_recv(self._receive)
-            qp.connect(remote)
-        except (PyverbsError, TransportError) as exc:
+        except PyverbsError as exc:
             self.close()
-            raise exc if isinstance(exc, TransportError) else TransportError(
-                f"preparing receives failed: {exc}") from exc
+            raise TransportError(f"posting {self._depth} receives failed: {exc}") from exc
+        try:
+            qp.connect(remote)
+        except TransportError:
+            self.close()
+            raise
         return {**qp.endpoint.to_wire(), "rkey": qp.device.mr.rkey, "addr": qp.device.base,
                 "size": self._owner.memory_size}
 
@@ -511,6 +519,8 @@ class VerbsResponder(Responder):
                 self._fail(TransportError(f"re-posting a receive failed: {exc}"))
                 return
             self.writes_received += 1
+            # pyverbs converts the immediate to network order when posting but
+            # hands the received one over raw.
             self._on_immediate(socket.ntohl(wc.imm_data))
 
     def _fail(self, error: TransportError) -> None:
