@@ -29,11 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--socket", default=DEFAULT_SENDER_SOCKET, help="sender daemon socket")
     push.add_argument("--file", help=".npy (first axis: layers) or .safetensors (one tensor a "
                       "layer); default: a synthetic cache of the --layers.. shape")
-    push.add_argument("--layers", type=int, default=24)
-    push.add_argument("--tokens", type=int, default=4096)
-    push.add_argument("--kv-heads", type=int, default=2)
-    push.add_argument("--head-dim", type=int, default=64)
-    push.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+    _layout_flags(push)
     push.add_argument("--chunk", action="append", help="granularity (per-token-per-layer, "
                       "per-token, per-layer, whole) or bytes; repeat to compare; default: the "
                       "sender's")
@@ -43,7 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--verify-socket", nargs="?", const=DEFAULT_RECEIVER_SOCKET,
                       help="receiver daemon socket on this machine: check every byte there "
                       "and time the first layer")
+    push.add_argument("--seed", type=int, default=0,
+                      help="seed of the synthetic cache (kvctl consume --expect-seed checks it)")
+    push.add_argument("--req", help="request id (with --count: ID-0, ID-1, ...); default: "
+                      "random")
     push.add_argument("--json", action="store_true", help="one JSON object per push")
+
+    consume = commands.add_parser("consume", help="stand in for a decode engine: wait for "
+                                  "requests, check them, release them")
+    consume.add_argument("requests", nargs="+", metavar="REQ")
+    consume.add_argument("--socket", default=DEFAULT_RECEIVER_SOCKET,
+                         help="receiver daemon socket")
+    consume.add_argument("--expect-seed", type=int,
+                         help="compare every byte with kvctl push's synthetic cache of this "
+                         "seed (and the --layers.. shape)")
+    _layout_flags(consume)
+    consume.add_argument("--timeout", type=float, default=120.0)
+    consume.add_argument("--keep", action="store_true", help="do not release")
+    consume.add_argument("--json", action="store_true")
 
     status = commands.add_parser("status", help="health and key figures of daemons")
     status.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
@@ -61,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _layout_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", default="fp16", choices=sorted(DTYPE_BYTES))
+
+
+def _layout(args: argparse.Namespace) -> KVLayout:
+    return KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -68,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_push(args))
         if args.command == "status":
             return _status(args)
+        if args.command == "consume":
+            return asyncio.run(_consume(args))
         if args.command == "lab":
             from .lab.cli import main as lab_main
 
@@ -95,22 +122,30 @@ async def _push(args: argparse.Namespace) -> int:
         shape, data = from_file(args.file)
         layout = None
     else:
-        layout = KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
-        shape, data = layout.shape(), synthetic(layout)
+        layout = _layout(args)
+        shape, data = layout.shape(), synthetic(layout, args.seed)
     sender = await SenderClient.connect(args.socket)
     receiver = await ReceiverClient.connect(args.verify_socket) if args.verify_socket else None
     records: list[PushRecord] = []
     run = uuid.uuid4().hex[:8]
     limit = asyncio.Semaphore(max(1, args.concurrency))
+    chunks = args.chunk or [None]
+
+    def request_id(chunk: str | None, n: int) -> str:
+        if args.req is None:
+            return f"kvctl-{run}-{chunk or 'default'}-{n}"
+        if args.count == 1 and len(chunks) == 1:
+            return str(args.req)
+        return f"{args.req}-{chunk or 'default'}-{n}" if len(chunks) > 1 else f"{args.req}-{n}"
 
     async def one(chunk: str | None, n: int) -> PushRecord:
         async with limit:
-            return await push_one(sender, args.peer, f"kvctl-{run}-{chunk or 'default'}-{n}",
-                                  shape, data, chunk=_chunk(chunk, layout), receiver=receiver,
+            return await push_one(sender, args.peer, request_id(chunk, n), shape, data,
+                                  chunk=_chunk(chunk, layout), receiver=receiver,
                                   deadline=args.deadline)
 
     try:
-        for chunk in args.chunk or [None]:
+        for chunk in chunks:
             records += await asyncio.gather(*(one(chunk, n) for n in range(args.count)))
     finally:
         await sender.close()
@@ -121,6 +156,28 @@ async def _push(args: argparse.Namespace) -> int:
             print(json.dumps(record.to_dict()))
     else:
         print(table.render(HEADERS, [r.row() for r in records]))
+    return 0
+
+
+async def _consume(args: argparse.Namespace) -> int:
+    from .consume import consume
+    from .source import synthetic
+
+    expected = None if args.expect_seed is None else synthetic(_layout(args), args.expect_seed)
+    records = await consume(args.socket, args.requests, expected, args.timeout, args.keep)
+    if args.json:
+        for record in records:
+            print(json.dumps(record.to_dict()))
+    else:
+        print(table.render(
+            ["request", "bytes", "layers", "first layer s", "delivered s", "checksum", "bytes"],
+            [[r.req, r.bytes, r.layers, r.first_layer_at, r.delivered_at,
+              "ok" if r.checksum_ok else "BAD", {None: "-", True: "ok", False: "BAD"}[r.bytes_ok]]
+             for r in records]))
+    bad = [r.req for r in records if not r.checksum_ok or r.bytes_ok is False]
+    if bad:
+        print(f"kvctl consume: {', '.join(bad)} did not arrive intact", file=sys.stderr)
+        return 1
     return 0
 
 

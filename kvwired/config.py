@@ -84,6 +84,8 @@ class SenderConfig(CommonConfig):
         "default write size: per-token-per-layer, per-token, per-layer, whole or bytes",
     )
     connect_timeout: float = _opt(5.0, "seconds to reach a receiver before giving up")
+    delivery_timeout: float = _opt(
+        10.0, "seconds a receiver may take to confirm a request whose writes all landed")
     peers: dict[str, str] = _opt(
         None, "receivers by name: NAME=HOST:PORT (repeat the flag for more)", "peers"
     )

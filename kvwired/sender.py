@@ -431,7 +431,7 @@ class SenderDaemon:
                     await asyncio.sleep(0)
                 push.last_commit_at = time.monotonic()
                 await asyncio.gather(*push.posts)
-                checksum = await push.delivered
+                checksum = await self._confirmation(push)
         except TimeoutError:
             self.fail_push(push, DeadlineExceeded(
                 f"request {push.req} missed its deadline"))
@@ -444,6 +444,22 @@ class SenderDaemon:
             self.fail_push(push, KvwireError(f"internal error in the sender daemon: {exc!r}"))
             return
         self._finish_push(push, checksum)
+
+    async def _confirmation(self, push: Push) -> int:
+        """The receiver's checksum, once every write has been placed.
+
+        It follows the last immediate at once; a receiver that stays silent
+        after that has lost track of the request (a bug, or a stale lease),
+        and the caller hears so rather than waiting forever.
+        """
+        wait = self.config.delivery_timeout
+        try:
+            return await asyncio.wait_for(asyncio.shield(push.delivered), wait)
+        except TimeoutError:
+            raise PeerLost(
+                f"receiver {push.link.name} has every byte of request {push.req} but did "
+                f"not confirm delivery within {wait:g} s",
+                hint="the receiver's log says why; the request was not delivered") from None
 
     def _loop_deadline(self, push: Push) -> float | None:
         if push.deadline is None:

@@ -272,3 +272,19 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
     assert registry.get_sample_value("kvwire_pool_bytes",
                                      {"pool": "receive", "state": "used"}) == 3 << 20
     assert registry.get_sample_value("kvwire_peers_connected") == 1
+
+
+async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: Path) -> None:
+    daemons = await start_local(tmp_path, sender={"delivery_timeout": 0.5})
+
+    async def lost_track(lease: object) -> None:
+        return None  # every byte landed, but no "delivered" ever goes out
+
+    daemons.receiver._complete = lost_track  # type: ignore[method-assign]
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as client:
+            with pytest.raises(PeerLost, match=r"did not confirm delivery within 0\.5 s"):
+                await asyncio.wait_for(client.push_bytes("silent", "decode", b"q" * 8192), 10)
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()

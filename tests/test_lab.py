@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.lab import machine
 from kvctl.lab.machine import LabState, run_in
 
 pytestmark = pytest.mark.lab
@@ -200,19 +199,3 @@ def _qemus_of(state_dir: Path) -> list[str]:
             if b"qemu-system" in cmdline and str(state_dir).encode() in cmdline:
                 found.append(entry.name)
     return found
-
-
-def test_zz_session_lab_down_leaves_nothing(lab: LabState) -> None:
-    """Last in the file: `down` on the session's lab, then look for leftovers."""
-    pids = [node.pid for node in lab.nodes.values()]
-    ports = [port for node in lab.nodes.values() for port in node.ports.values()]
-    result = kvctl("lab", "down")
-    assert result.returncode == 0, result.stderr
-    assert "powered off" in result.stdout
-    assert not any(_running(pid) for pid in pids)
-    assert not machine.STATE_DIR.exists()
-    assert not _qemus_of(machine.STATE_DIR)
-    for port in ports:
-        with socket.socket() as probe:
-            assert probe.connect_ex(("127.0.0.1", port)) != 0
-    assert kvctl("lab", "status").returncode == 1

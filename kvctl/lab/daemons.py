@@ -1,0 +1,132 @@
+"""kvwired daemons inside the lab nodes, started as a user would start them.
+
+Config files and logs live in the lab's shared directory, so the host can
+write the one and read the other; the unix sockets live in the node's own
+/run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..netns import write_toml
+from .machine import SHARED_DIR, LabError, LabState, run_in
+
+DECODE_ADDRESS = "198.18.78.2"
+PREFILL_ADDRESS = "198.18.78.1"
+
+
+def receiver_config(name: str = "decode", **overrides: Any) -> dict[str, Any]:
+    return {"name": name, "listen": f"{DECODE_ADDRESS}:7471", "data_port": 7472,
+            "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9471",
+            "log_format": "json", **overrides}
+
+
+def sender_config(name: str = "prefill", peers: dict[str, str] | None = None,
+                  **overrides: Any) -> dict[str, Any]:
+    return {"name": name, "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9472",
+            "peers": peers or {"decode": f"{DECODE_ADDRESS}:7471"}, "log_format": "json",
+            **overrides}
+
+
+class NodeDaemon:
+    """One ``kvwired`` process in a lab node."""
+
+    def __init__(self, node: str, role: str, config: dict[str, Any],
+                 state: LabState | None = None, memlock_kib: int | None = None) -> None:
+        self.node, self.role, self.config = node, role, config
+        self.name = str(config["name"])
+        self.socket = str(config["socket"])
+        self.state = state
+        self.memlock_kib = memlock_kib
+        folder = SHARED_DIR / "daemons"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.config_path = folder / f"{self.name}.toml"
+        self.log_path = folder / f"{self.name}.log"
+        self.pid_path = folder / f"{self.name}.pid"
+        self.exit_path = folder / f"{self.name}.exit"
+        self.pid: int | None = None
+
+    def _sh(self, script: str) -> tuple[int, str, str]:
+        return run_in(self.node, ["sh", "-c", script], state=self.state)
+
+    def start(self, timeout: float = 90.0, wait: bool = True) -> NodeDaemon:
+        write_toml(self.config_path, self.config)
+        self.log_path.write_text("")
+        for stale in (self.pid_path, self.exit_path):
+            stale.unlink(missing_ok=True)
+        limit = f"ulimit -l {self.memlock_kib}; " if self.memlock_kib is not None else ""
+        # A watcher shell records the exit code; the daemon's own pid goes to a file.
+        inner = (f"{limit}{sys.executable} -m kvwired {self.role} --config {self.config_path} "
+                 f">>{self.log_path} 2>&1 </dev/null & echo $! >{self.pid_path}; wait $!; "
+                 f"echo $? >{self.exit_path}")
+        code, _, err = self._sh(f"setsid sh -c '{inner}' >/dev/null 2>&1 </dev/null &")
+        if code != 0:
+            raise LabError(f"cannot start {self.name} in {self.node}: {err}")
+        deadline = time.monotonic() + 10
+        while not self.pid_path.exists() or not self.pid_path.read_text().strip():
+            if time.monotonic() > deadline:
+                raise LabError(f"{self.name} did not start in {self.node}")
+            time.sleep(0.1)
+        self.pid = int(self.pid_path.read_text())
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise LabError(f"{self.name} exited in {self.node}:\n{self.log_tail()}")
+            if self._sh(f"test -S {self.socket}")[0] == 0:
+                return
+            time.sleep(0.5)
+        raise LabError(f"{self.name} not ready in {self.node} within {timeout:g} s:\n"
+                       f"{self.log_tail()}")
+
+    def exit_code(self, timeout: float = 60.0) -> int | None:
+        """Wait for the daemon to end by itself; its exit code (None: still running)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                return int(self.exit_path.read_text())
+            time.sleep(0.2)
+        return None
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None and not self.exit_path.exists()
+
+    def signal(self, name: str) -> None:
+        if self.pid is not None:
+            self._sh(f"kill -{name} {self.pid} 2>/dev/null")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after ``timeout``; the exit code."""
+        if self.running:
+            self.signal("TERM")
+            if self.exit_code(timeout) is None:
+                self.signal("KILL")
+        code = self.exit_code(10)
+        self._sh(f"rm -f {self.socket}")
+        return code
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        return "(no log)"
+
+    def log_text(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text()
+        return ""
+
+
+def shared_path(name: str) -> Path:
+    path = SHARED_DIR / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
