@@ -64,7 +64,9 @@ class NodeDaemon:
         inner = (f"{limit}{sys.executable} -m kvwired {self.role} --config {self.config_path} "
                  f">>{self.log_path} 2>&1 </dev/null & echo $! >{self.pid_path}; wait $!; "
                  f"echo $? >{self.exit_path}")
-        code, _, err = self._sh(f"setsid sh -c '{inner}' >/dev/null 2>&1 </dev/null &")
+        # A socket left by a killed daemon would look ready: it goes first.
+        code, _, err = self._sh(f"rm -f {self.socket}; "
+                                f"setsid sh -c '{inner}' >/dev/null 2>&1 </dev/null &")
         if code != 0:
             raise LabError(f"cannot start {self.name} in {self.node}: {err}")
         deadline = time.monotonic() + 10

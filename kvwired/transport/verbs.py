@@ -49,6 +49,7 @@ from pyverbs.wr import SGE, RecvWR
 from ..errors import TransportError
 from ..pool import SharedMemory
 from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid
+from ..units import format_size
 from .base import (
     DataChannel,
     ErrorHandler,
@@ -552,7 +553,7 @@ class VerbsTransport(Transport):
         return self._memory.size
 
     async def start(self, memory: SharedMemory) -> None:
-        check_memlock(memory.size, f"the {memory.size} B pool")
+        check_memlock(memory.size, f"the {format_size(memory.size)} pool")
         self._memory = memory
         # Register now with the configured (or only) device, so a registration
         # problem stops the daemon at start instead of failing the first request.

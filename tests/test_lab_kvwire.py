@@ -1,0 +1,244 @@
+"""kvwire between the two lab nodes over real rdma_rxe (verbs) and over TCP.
+
+The daemons run in the nodes from their config files; the prefill engine is
+`kvctl push` on the prefill node, the decode engine `kvctl consume` on the
+decode node, which checks every byte against the same seeded cache.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvctl.lab.daemons import DECODE_ADDRESS, NodeDaemon, receiver_config, sender_config
+from kvctl.lab.machine import LabState, run_in
+
+pytestmark = pytest.mark.lab
+
+
+@dataclass
+class Daemons:
+    transport: str
+    receiver: NodeDaemon
+    sender: NodeDaemon
+    state: LabState
+
+
+@pytest.fixture(scope="module", params=["verbs", "tcp"])
+def daemons(lab: LabState, request: pytest.FixtureRequest) -> Iterator[Daemons]:
+    transport = request.param
+    receiver = NodeDaemon("decode", "receiver",
+                          receiver_config(transport=transport, pool_size="256MiB"), lab)
+    sender = NodeDaemon("prefill", "sender",
+                        sender_config(transport=transport, staging_size="256MiB"), lab)
+    receiver.start()
+    sender.start()
+    yield Daemons(transport, receiver, sender, lab)
+    assert sender.stop() == 0, sender.log_tail()
+    assert receiver.stop() == 0, receiver.log_tail()
+
+
+class Background(threading.Thread):
+    """A command in a node, run while the test does something else."""
+
+    def __init__(self, node: str, argv: list[str], state: LabState) -> None:
+        super().__init__(daemon=True)
+        self.node, self.argv, self.state = node, argv, state
+        self.result: tuple[int, str, str] | None = None
+        self.start()
+
+    def run(self) -> None:
+        self.result = run_in(self.node, self.argv, state=self.state)
+
+    def outcome(self, timeout: float = 300) -> tuple[int, str, str]:
+        self.join(timeout)
+        assert self.result is not None, f"{self.argv} still running after {timeout} s"
+        return self.result
+
+
+def kvctl_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvctl", *args]
+
+
+def consume(d: Daemons, requests: list[str], seed: int, socket: str | None = None,
+            timeout: float = 240) -> Background:
+    return Background("decode", kvctl_argv(
+        "consume", *requests, "--socket", socket or d.receiver.socket, "--expect-seed",
+        str(seed), "--timeout", str(timeout), "--json"), d.state)
+
+
+def push(d: Daemons, req: str, seed: int, *extra: str, socket: str | None = None,
+         peer: str = "decode") -> tuple[int, list[dict[str, Any]], str]:
+    code, out, err = run_in("prefill", kvctl_argv(
+        "push", "--socket", socket or d.sender.socket, "--peer", peer, "--req", req,
+        "--seed", str(seed), "--json", *extra), state=d.state)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return code, records, err
+
+
+def records_of(background: Background) -> list[dict[str, Any]]:
+    code, out, err = background.outcome()
+    assert code == 0, out + err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("granularity",
+                         ["per-token-per-layer", "per-token", "per-layer", "whole"])
+def test_48mib_cache_arrives_byte_exact(daemons: Daemons, granularity: str) -> None:
+    req = f"{daemons.transport}-{granularity}"
+    decode = consume(daemons, [req], seed=7)
+    code, pushed, err = push(daemons, req, 7, "--chunk", granularity)
+    assert code == 0, err
+    (received,) = records_of(decode)
+    assert received["bytes"] == 48 << 20 and received["layers"] == 24
+    assert received["checksum_ok"] and received["bytes_ok"]
+    (record,) = pushed
+    print(f"{daemons.transport} {granularity}: {record['gbps']:.3f} Gb/s, "
+          f"{record['writes']} writes, {record['seconds'] * 1e3:.0f} ms")
+
+
+def test_concurrent_requests(daemons: Daemons) -> None:
+    requests = [f"{daemons.transport}-concurrent-{n}" for n in range(4)]
+    decode = consume(daemons, requests, seed=11)
+    code, pushed, err = push(daemons, f"{daemons.transport}-concurrent", 11, "--count", "4",
+                             "--concurrency", "4", "--chunk", "per-token")
+    assert code == 0, err
+    assert len(pushed) == 4
+    received = records_of(decode)
+    assert sorted(r["req"] for r in received) == requests
+    assert all(r["checksum_ok"] and r["bytes_ok"] for r in received)
+
+
+def _writes_sent(d: Daemons) -> float:
+    port = d.state.nodes["prefill"].ports["metrics_sender"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("kvwire_data_writes_total{"))
+
+
+def test_receiver_killed_mid_transfer_fails_fast_then_recovers(daemons: Daemons) -> None:
+    before = _writes_sent(daemons)
+    pushing = Background("prefill", kvctl_argv(
+        "push", "--socket", daemons.sender.socket, "--peer", "decode", "--req",
+        f"{daemons.transport}-doomed", "--count", "3", "--chunk", "per-token-per-layer"),
+        daemons.state)
+    deadline = time.monotonic() + 120
+    while _writes_sent(daemons) < before + 20000:  # well into the transfer
+        assert time.monotonic() < deadline, "the push never got going"
+        assert pushing.is_alive(), pushing.result
+        time.sleep(0.2)
+    daemons.receiver.signal("KILL")
+    killed_at = time.monotonic()
+    code, out, err = pushing.outcome(60)
+    failed_after = time.monotonic() - killed_at
+    assert code == 2, out + err
+    assert "receiver decode" in err, err
+    assert failed_after < 10, f"the push failed {failed_after:.1f} s after the kill"
+    print(f"{daemons.transport}: push failed {failed_after:.2f} s after the receiver was "
+          f"killed: {err.strip().splitlines()[0]}")
+
+    daemons.receiver.start()  # restarted, as systemd would
+    decode = consume(daemons, [f"{daemons.transport}-after-restart"], seed=3)
+    code, _, err = push(daemons, f"{daemons.transport}-after-restart", 3, "--chunk", "per-layer")
+    assert code == 0, err
+    (received,) = records_of(decode)
+    assert received["bytes_ok"]
+    assert daemons.sender.running
+
+
+def test_two_senders_into_one_receiver(daemons: Daemons) -> None:
+    second = NodeDaemon("prefill", "sender",
+                        sender_config(f"prefill-b-{daemons.transport}",
+                                      transport=daemons.transport, metrics="0.0.0.0:0",
+                                      staging_size="64MiB"), daemons.state).start()
+    try:
+        requests = [f"{daemons.transport}-from-a", f"{daemons.transport}-from-b"]
+        decode = consume(daemons, requests, seed=5)
+        a = Background("prefill", kvctl_argv(
+            "push", "--socket", daemons.sender.socket, "--peer", "decode", "--req",
+            requests[0], "--seed", "5"), daemons.state)
+        b = Background("prefill", kvctl_argv(
+            "push", "--socket", second.socket, "--peer", "decode", "--req", requests[1],
+            "--seed", "5"), daemons.state)
+        for pushing in (a, b):
+            code, out, err = pushing.outcome()
+            assert code == 0, out + err
+        assert all(r["bytes_ok"] for r in records_of(decode))
+    finally:
+        second.stop()
+
+
+def test_one_sender_into_two_receivers(daemons: Daemons) -> None:
+    port = 7481
+    second = NodeDaemon("decode", "receiver", receiver_config(
+        f"decode-b-{daemons.transport}", transport=daemons.transport,
+        listen=f"{DECODE_ADDRESS}:{port}", data_port=port + 1, metrics="0.0.0.0:0",
+        pool_size="64MiB"), daemons.state).start()
+    multi = NodeDaemon("prefill", "sender", sender_config(
+        f"prefill-multi-{daemons.transport}", transport=daemons.transport,
+        metrics="0.0.0.0:0", peers={"decode": f"{DECODE_ADDRESS}:7471",
+                                     "decode-b": f"{DECODE_ADDRESS}:{port}"}),
+        daemons.state).start()
+    try:
+        to_a = consume(daemons, [f"{daemons.transport}-to-a"], seed=9)
+        to_b = consume(daemons, [f"{daemons.transport}-to-b"], seed=9, socket=second.socket)
+        for req, peer in ((f"{daemons.transport}-to-a", "decode"),
+                          (f"{daemons.transport}-to-b", "decode-b")):
+            code, _, err = push(daemons, req, 9, socket=multi.socket, peer=peer)
+            assert code == 0, err
+        assert records_of(to_a)[0]["bytes_ok"] and records_of(to_b)[0]["bytes_ok"]
+    finally:
+        multi.stop()
+        second.stop()
+
+
+def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
+    lost = NodeDaemon("prefill", "sender", sender_config(
+        f"prefill-lost-{daemons.transport}", transport=daemons.transport, metrics="0.0.0.0:0",
+        connect_timeout=3.0, peers={"nowhere": "198.18.78.99:7471"}), daemons.state).start()
+    try:
+        started = time.monotonic()
+        code, _, err = push(daemons, "lost", 1, socket=lost.socket, peer="nowhere")
+        assert code == 2
+        assert "cannot reach receiver nowhere" in err, err
+        assert time.monotonic() - started < 30
+    finally:
+        lost.stop()
+
+
+def test_wrong_gid_index_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
+    if daemons.transport != "verbs":
+        pytest.skip("GIDs are a verbs matter")
+    wrong = NodeDaemon("prefill", "sender", sender_config(
+        "prefill-wrong-gid", transport="verbs", metrics="0.0.0.0:0", gid_index=9),
+        daemons.state).start()
+    try:
+        started = time.monotonic()
+        code, _, err = push(daemons, "wrong-gid", 1, socket=wrong.socket)
+        assert code == 2
+        assert "no GID index 9" in err and "populated entries" in err, err
+        assert time.monotonic() - started < 30
+    finally:
+        wrong.stop()
+
+
+def test_memlock_too_low_is_refused_with_the_fix(daemons: Daemons) -> None:
+    if daemons.transport != "verbs":
+        pytest.skip("only pinned (verbs) pools need locked memory")
+    starved = NodeDaemon("decode", "receiver", receiver_config(
+        "decode-starved", transport="verbs", listen=f"{DECODE_ADDRESS}:7491",
+        metrics="0.0.0.0:0", pool_size="256MiB"), daemons.state, memlock_kib=8192)
+    starved.start(wait=False)
+    assert starved.exit_code(60) == 2, starved.log_tail()
+    log = starved.log_text()
+    assert "RLIMIT_MEMLOCK) is 8 MiB" in log and "272 MiB" in log, log
+    assert "LimitMEMLOCK=infinity" in log and "ulimit -l unlimited" in log
