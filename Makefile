@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint unit demo clean
+.PHONY: setup test lint unit demo demo-netns clean
 
 setup: $(STAMP)
 
@@ -31,7 +31,13 @@ test: lint
 unit: setup
 	$(BIN)/pytest -ra -m "not netns"
 
+# A 48 MiB KV cache over RDMA between two QEMU nodes (Soft-RoCE), with TCP
+# and ib_write_bw on the same link for comparison.
 demo: setup
+	$(BIN)/kvctl demo lab
+
+# The same path over TCP between two network namespaces (seconds, not minutes).
+demo-netns: setup
 	$(BIN)/kvctl demo netns
 
 clean:

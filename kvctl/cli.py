@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
-    demo.add_argument("where", choices=["netns"], help="netns: two network namespaces (root)")
-    demo.add_argument("--repeat", type=int, default=3, help="pushes per granularity")
+    demo.add_argument("where", choices=["lab", "netns"],
+                      help="lab: RDMA (Soft-RoCE) between two QEMU nodes, with TCP and "
+                      "perftest beside it; netns: TCP between two network namespaces")
+    demo.add_argument("--repeat", type=int, default=3, help="netns: pushes per granularity")
     return parser
 
 
@@ -100,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
 
             return lab_main(args)
         if args.command == "demo":
+            if args.where == "lab":
+                from .lab.demo import lab_demo
+
+                lab_demo()
+                return 0
             from .demo import netns_demo
 
             asyncio.run(netns_demo(args.repeat))

@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from kvctl.lab import perftest
 from kvctl.lab.machine import LabState, run_in
 
 pytestmark = pytest.mark.lab
@@ -72,40 +72,17 @@ def test_the_wire_nic_has_a_pcie_link_for_the_probe(lab: LabState) -> None:
     assert out.splitlines() == ["wire0", "2.5 GT/s PCIe", "1"]
 
 
-def _perftest(tool: str, *args: str) -> str:
-    """Run a perftest pair: server on decode, client on prefill; the client's report."""
-    server: list[tuple[int, str, str]] = []
-    thread = threading.Thread(target=lambda: server.append(run_in(
-        "decode", [tool, "-d", "rxe0", "-x", "1", *args])))
-    thread.start()
-    try:
-        for _ in range(40):  # the server needs a moment to listen
-            time.sleep(0.5)
-            code, out, err = run_in("prefill", [tool, "-d", "rxe0", "-x", "1", *args, DECODE])
-            if "Couldn't connect" not in err + out:
-                break
-    finally:
-        thread.join(120)
-    assert code == 0, out + err
-    assert server and server[0][0] == 0, server
-    return out
-
-
 def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
-    out = _perftest("ib_write_lat", "-s", "512", "-n", "500")
-    row = next(line.split() for line in out.splitlines() if line.strip().startswith("512 "))
-    t_min, t_typical = float(row[2]), float(row[4])
-    print(f"ib_write_lat 512 B: typical {t_typical} us, min {t_min} us, p99 {row[7]} us")
-    assert 0 < t_min <= t_typical
+    result = perftest.write_lat(512, 500, lab)
+    print(f"ib_write_lat 512 B: typical {result.typical_us} us, min {result.min_us} us, "
+          f"p99 {result.p99_us} us")
+    assert 0 < result.min_us <= result.typical_us <= result.p99_us
 
 
 def test_ib_write_bw_between_the_nodes(lab: LabState) -> None:
-    out = _perftest("ib_write_bw", "-s", "1048576", "-n", "100")
-    row = next(line.split() for line in out.splitlines()
-               if line.strip().startswith("1048576 "))
-    average_mb_s = float(row[3])
-    print(f"ib_write_bw 1 MiB: {average_mb_s * 8 / 1000:.3f} Gb/s average")
-    assert average_mb_s > 0
+    result = perftest.write_bw(1 << 20, 100, lab)
+    print(f"ib_write_bw 1 MiB: {result.gbps:.3f} Gb/s average")
+    assert result.average_mb_s > 0 and result.iterations == 100
 
 
 def test_management_ports_reach_the_nodes_from_host_loopback(lab: LabState) -> None:

@@ -1,0 +1,102 @@
+"""perftest (ib_write_bw, ib_write_lat) between the lab nodes: the baseline.
+
+The server runs on ``decode``, the client on ``prefill``, over rxe0 with the
+RoCE v2 GID (index 1 in the lab), so the figures are for the very link kvwire
+uses in the same run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from .daemons import DECODE_ADDRESS
+from .machine import LabError, LabState, run_in
+
+GID_INDEX = "1"
+
+
+@dataclass(frozen=True)
+class BandwidthResult:
+    size: int
+    iterations: int
+    peak_mb_s: float
+    average_mb_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.average_mb_s * 8 / 1000
+
+
+@dataclass(frozen=True)
+class LatencyResult:
+    size: int
+    iterations: int
+    min_us: float
+    typical_us: float
+    p99_us: float
+    p999_us: float
+
+
+def run_pair(tool: str, args: list[str], state: LabState | None = None,
+             timeout: float = 90, tries: int = 3) -> str:
+    """Run ``tool`` as server on decode and client on prefill; the client's output.
+
+    perftest busy-polls, and on a one-CPU emulated node that can starve rxe's
+    own processing: about one run in five never finishes (see LAB-NOTES). A
+    run gets ``timeout`` seconds, and a hung one is killed and tried again.
+    """
+    failures = []
+    for _ in range(tries):
+        out, error = _attempt(tool, args, state, timeout)
+        if error is None:
+            return out
+        failures.append(error)
+        for node in ("prefill", "decode"):
+            run_in(node, ["pkill", "-KILL", "-x", tool], state=state)
+    raise LabError(f"{tool} {' '.join(args)} failed {tries} times between the nodes:\n"
+                   + "\n".join(failures))
+
+
+def _attempt(tool: str, args: list[str], state: LabState | None,
+             timeout: float) -> tuple[str, str | None]:
+    base = [tool, "-d", "rxe0", "-x", GID_INDEX, *args]
+    limit = ["timeout", "-s", "KILL", str(int(timeout))]
+    server: list[tuple[int, str, str]] = []
+    thread = threading.Thread(
+        target=lambda: server.append(run_in("decode", [*limit, *base], state=state)),
+        daemon=True)
+    thread.start()
+    code, out, err = 1, "", ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:  # the server needs a moment to listen
+        time.sleep(0.5)
+        code, out, err = run_in("prefill", [*limit, *base, DECODE_ADDRESS], state=state)
+        if "Couldn't connect" not in out + err:
+            break
+    thread.join(timeout + 10)
+    if code == 137 or code == 124:
+        return out, f"timed out after {timeout:g} s"
+    if code != 0 or not server or server[0][0] != 0:
+        return out, f"exit {code}: {out}{err}{server[0][1] + server[0][2] if server else ''}"
+    return out, None
+
+
+def _row(output: str, size: int) -> list[str]:
+    for line in output.splitlines():
+        fields = line.split()
+        if fields and fields[0] == str(size):
+            return fields
+    raise LabError(f"no result row for {size} B in perftest's output:\n{output}")
+
+
+def write_bw(size: int, iterations: int, state: LabState | None = None) -> BandwidthResult:
+    row = _row(run_pair("ib_write_bw", ["-s", str(size), "-n", str(iterations)], state), size)
+    return BandwidthResult(size, int(row[1]), float(row[2]), float(row[3]))
+
+
+def write_lat(size: int, iterations: int, state: LabState | None = None) -> LatencyResult:
+    row = _row(run_pair("ib_write_lat", ["-s", str(size), "-n", str(iterations)], state), size)
+    return LatencyResult(size, int(row[1]), float(row[2]), float(row[4]), float(row[7]),
+                         float(row[8]))
