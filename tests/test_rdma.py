@@ -1,0 +1,82 @@
+"""Device and GID selection, and the memlock check, against a fake sysfs."""
+
+from __future__ import annotations
+
+import resource
+from pathlib import Path
+
+import pytest
+
+from kvwired.rdma import MemlockTooLow, NoRdmaPath, check_memlock, gid_table, pick_gid
+
+
+def _port(root: Path, device: str, port: int, gids: dict[int, tuple[str, str, str]]) -> None:
+    base = root / device / "ports" / str(port)
+    for sub in ("gids", "gid_attrs/types", "gid_attrs/ndevs"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    for index in range(8):
+        gid, gid_type, netdev = gids.get(index, ("0000:0000:0000:0000:0000:0000:0000:0000",
+                                                 "", ""))
+        (base / "gids" / str(index)).write_text(gid + "\n")
+        if gid_type:
+            (base / "gid_attrs/types" / str(index)).write_text(gid_type + "\n")
+            (base / "gid_attrs/ndevs" / str(index)).write_text(netdev + "\n")
+
+
+@pytest.fixture
+def sysfs(tmp_path: Path) -> Path:
+    # Like rxe in the lab: link-local at 0, IPv4-mapped at 1; plus a second
+    # device whose RoCE v1 entry holds another address.
+    _port(tmp_path, "rxe0", 1, {
+        0: ("fe80:0000:0000:0000:5054:00ff:fe4b:5701", "RoCE v2", "wire0"),
+        1: ("0000:0000:0000:0000:0000:ffff:c612:4e01", "RoCE v2", "wire0"),
+    })
+    _port(tmp_path, "mlx5_1", 1, {
+        0: ("0000:0000:0000:0000:0000:ffff:0a00:0005", "IB/RoCE v1", "eth1"),
+        1: ("0000:0000:0000:0000:0000:ffff:0a00:0005", "RoCE v2", "eth1"),
+    })
+    return tmp_path
+
+
+def test_gid_table_skips_empty_entries(sysfs: Path) -> None:
+    table = gid_table(sysfs)
+    assert [(e.device, e.index) for e in table] == [("mlx5_1", 0), ("mlx5_1", 1),
+                                                   ("rxe0", 0), ("rxe0", 1)]
+    assert table[3].ipv4 == "198.18.78.1" and table[3].netdev == "wire0"
+
+
+def test_the_roce_v2_entry_of_the_local_address_is_chosen(sysfs: Path) -> None:
+    chosen = pick_gid("198.18.78.1", root=sysfs)
+    assert (chosen.device, chosen.port, chosen.index) == ("rxe0", 1, 1)
+    other = pick_gid("10.0.0.5", root=sysfs)
+    assert (other.device, other.index, other.type) == ("mlx5_1", 1, "RoCE v2")
+
+
+def test_overrides_are_checked(sysfs: Path) -> None:
+    assert pick_gid("198.18.78.1", device="rxe0", gid_index=0, root=sysfs).index == 0
+    with pytest.raises(NoRdmaPath, match="no GID index 9") as info:
+        pick_gid("198.18.78.1", gid_index=9, root=sysfs)
+    assert "rxe0 port 1 index 1" in info.value.hint  # the valid entries are listed
+    with pytest.raises(NoRdmaPath, match="is IB/RoCE v1, not RoCE v2"):
+        pick_gid("10.0.0.5", device="mlx5_1", gid_index=0, root=sysfs)
+
+
+def test_an_address_without_a_gid_is_explained(sysfs: Path, tmp_path: Path) -> None:
+    with pytest.raises(NoRdmaPath, match=r"no RoCE v2 GID for local address 192\.0\.2\.7"):
+        pick_gid("192.0.2.7", root=sysfs)
+    with pytest.raises(NoRdmaPath, match="no RDMA device") as info:
+        pick_gid("192.0.2.7", root=tmp_path / "empty")
+    assert "rdma link add" in info.value.hint
+
+
+def test_memlock_too_low_says_the_limit_the_need_and_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (8 << 20, 8 << 20))
+    with pytest.raises(MemlockTooLow) as info:
+        check_memlock(256 << 20, "the 256 MiB pool")
+    assert "is 8 MiB" in info.value.message and "272 MiB" in info.value.message
+    assert "LimitMEMLOCK=infinity" in info.value.hint and "ulimit -l" in info.value.hint
+    monkeypatch.setattr(resource, "getrlimit",
+                        lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    check_memlock(256 << 20, "the 256 MiB pool")  # unlimited: fine
