@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml scripts/install-system-packages.sh
 	touch $@
 
 lint: setup
-	$(BIN)/ruff check kvwired kvctl tests
-	$(BIN)/mypy kvwired kvctl tests
+	$(BIN)/ruff check kvwired kvctl tests benchmarks
+	$(BIN)/mypy kvwired kvctl tests benchmarks
 
 # Everything: lint, unit tests, and the two-namespace end-to-end suite (root).
 test: lint
