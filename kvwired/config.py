@@ -47,6 +47,9 @@ class CommonConfig:
     rdma_device: str = _opt("", "verbs: RDMA device (default: the one whose RoCE v2 GID "
                             "holds the control connection's address)")
     gid_index: int = _opt(-1, "verbs: GID table index to use (default -1: chosen by address)")
+    poll_spin_us: float = _opt(
+        0.0, "verbs: keep polling completions this long after activity before sleeping on "
+        "the completion channel (0: never spin; see benchmarks/completion_path.py)")
     metrics: str = _opt(
         "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
     )

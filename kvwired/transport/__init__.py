@@ -26,7 +26,7 @@ def make_transport(config: CommonConfig) -> Transport:
         return VerbsTransport(
             device=config.rdma_device, gid_index=config.gid_index,
             receive_depth=config.credits if isinstance(config, ReceiverConfig) else 0,
-            remote_write=receiver)
+            remote_write=receiver, spin_us=config.poll_spin_us)
     from .tcp import TcpTransport
 
     if isinstance(config, ReceiverConfig):

@@ -30,6 +30,7 @@ import fcntl
 import os
 import random
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -138,10 +139,17 @@ class _Device:
 
 
 class _CompletionQueue:
-    """A CQ whose completion channel wakes the event loop."""
+    """A CQ whose completion channel wakes the event loop.
+
+    With ``spin_seconds`` > 0 it also polls on every turn of the event loop
+    while its owner has work outstanding (``busy``) and for ``spin_seconds``
+    after the last completion, so a stream of completions does not pay a
+    wake-up each; once quiet it sleeps on the descriptor again.
+    """
 
     def __init__(self, device: _Device, depth: int,
-                 on_completions: Callable[[list[Any]], None]) -> None:
+                 on_completions: Callable[[list[Any]], None],
+                 spin_seconds: float = 0.0) -> None:
         before = _infiniband_event_fds()
         self.channel = CompChannel(device.context)
         created = _infiniband_event_fds() - before
@@ -158,6 +166,10 @@ class _CompletionQueue:
         self.cq.req_notify()
         self._loop.add_reader(self.fd, self._woken)
         self.closed = False
+        self.busy: Callable[[], bool] = lambda: False
+        self._spin_seconds = spin_seconds
+        self._spinning = False
+        self._last_activity = 0.0
 
     def _woken(self) -> None:
         try:
@@ -168,13 +180,34 @@ class _CompletionQueue:
         # Re-arm before draining: a completion arriving meanwhile still wakes us.
         self.cq.req_notify()
         self.drain()
+        self.kick()
 
     def drain(self) -> None:
         while not self.closed:
             count, completions = self.cq.poll(POLL_BATCH)
             if not count:
                 return
+            self._last_activity = time.perf_counter()
             self._on_completions(completions)
+
+    def kick(self) -> None:
+        """Work was just posted or completed: poll for a while before sleeping."""
+        if self._spin_seconds <= 0 or self.closed:
+            return
+        self._last_activity = max(self._last_activity, time.perf_counter())
+        if not self._spinning:
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        if self.closed:
+            self._spinning = False
+            return
+        self.drain()
+        if self.busy() or time.perf_counter() - self._last_activity < self._spin_seconds:
+            self._loop.call_soon(self._spin)
+        else:
+            self._spinning = False
 
     def close(self) -> None:
         if self.closed:
@@ -210,11 +243,12 @@ class _QueuePair:
     """An RC QP and its CQ, driven RESET -> INIT -> RTR -> RTS with checks."""
 
     def __init__(self, device: _Device, gid: GidEntry, recv_depth: int,
-                 on_completions: Callable[[list[Any]], None]) -> None:
+                 on_completions: Callable[[list[Any]], None], spin_seconds: float) -> None:
         self.device = device
         self.gid = gid
         self.mtu = device.port_mtu(gid.port)
-        self.cq = _CompletionQueue(device, SQ_DEPTH + recv_depth + 1, on_completions)
+        self.cq = _CompletionQueue(device, SQ_DEPTH + recv_depth + 1, on_completions,
+                                   spin_seconds)
         try:
             init = QPInitAttrEx(
                 qp_type=e.IBV_QPT_RC, pd=device.pd, scq=self.cq.cq, rcq=self.cq.cq,
@@ -331,6 +365,7 @@ class VerbsDataChannel(DataChannel):
         self._since_signal = 0
         self._next_wr_id = 1
         self._error: TransportError | None = None
+        qp.cq.busy = lambda: self._outstanding > 0
 
     @property
     def alive(self) -> bool:
@@ -349,6 +384,7 @@ class VerbsDataChannel(DataChannel):
                 return future
         self._queue.append(_Post(self._split(writes), imm, future))
         self._post_some()
+        self._qp.cq.kick()
         return future
 
     def _split(self, writes: Sequence[Write]) -> Sequence[Write]:
@@ -421,11 +457,12 @@ class VerbsDataChannel(DataChannel):
                     break
         self._post_some()
 
-    def fail(self, error: TransportError) -> None:
+    def fail(self, error: TransportError, quiet: bool = False) -> None:
         if self._error is not None:
             return
         self._error = error
-        log.warning("verbs data channel failed", error=str(error))
+        if not quiet:
+            log.warning("verbs data channel failed", error=str(error))
         pending = [s.future for s in self._signals if s.future is not None]
         pending += [p.future for p in self._queue]
         self._signals.clear()
@@ -436,7 +473,7 @@ class VerbsDataChannel(DataChannel):
         self._qp.close()
 
     def close(self) -> None:
-        self.fail(TransportError("data channel closed"))
+        self.fail(TransportError("data channel closed"), quiet=True)
 
 
 class VerbsInitiator(Initiator):
@@ -539,8 +576,9 @@ class VerbsTransport(Transport):
     name = "verbs"
 
     def __init__(self, device: str = "", gid_index: int = -1, receive_depth: int = 64,
-                 remote_write: bool = False) -> None:
+                 remote_write: bool = False, spin_us: float = 0.0) -> None:
         self._device_name = device
+        self._spin_seconds = spin_us / 1e6
         self._gid_index = gid_index
         self._receive_depth = receive_depth
         self._remote_write = remote_write
@@ -570,7 +608,8 @@ class VerbsTransport(Transport):
     def queue_pair(self, local_host: str, recv_depth: int,
                    on_completions: Callable[[list[Any]], None]) -> _QueuePair:
         gid = pick_gid(local_host, self._device_name, self._gid_index)
-        return _QueuePair(self._device(gid.device), gid, recv_depth, on_completions)
+        return _QueuePair(self._device(gid.device), gid, recv_depth, on_completions,
+                          self._spin_seconds)
 
     def initiator(self, local_host: str) -> Initiator:
         return VerbsInitiator(self, local_host)
