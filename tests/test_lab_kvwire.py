@@ -215,9 +215,8 @@ def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
         lost.stop()
 
 
+@pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
 def test_wrong_gid_index_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
-    if daemons.transport != "verbs":
-        pytest.skip("GIDs are a verbs matter")
     wrong = NodeDaemon("prefill", "sender", sender_config(
         "prefill-wrong-gid", transport="verbs", metrics="0.0.0.0:0", gid_index=9),
         daemons.state).start()
@@ -231,9 +230,8 @@ def test_wrong_gid_index_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
         wrong.stop()
 
 
+@pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
 def test_memlock_too_low_is_refused_with_the_fix(daemons: Daemons) -> None:
-    if daemons.transport != "verbs":
-        pytest.skip("only pinned (verbs) pools need locked memory")
     starved = NodeDaemon("decode", "receiver", receiver_config(
         "decode-starved", transport="verbs", listen=f"{DECODE_ADDRESS}:7491",
         metrics="0.0.0.0:0", pool_size="256MiB"), daemons.state, memlock_kib=8192)
@@ -242,3 +240,47 @@ def test_memlock_too_low_is_refused_with_the_fix(daemons: Daemons) -> None:
     log = starved.log_text()
     assert "RLIMIT_MEMLOCK) is 8 MiB" in log and "272 MiB" in log, log
     assert "LimitMEMLOCK=infinity" in log and "ulimit -l unlimited" in log
+
+
+@pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
+def test_completion_error_fails_the_push_with_its_status_then_a_new_qp_works(
+    daemons: Daemons,
+) -> None:
+    """RoCE stops getting through mid-transfer: the writes exhaust their retries,
+    the push fails with the completion status, and the next push gets a new QP."""
+    before = _writes_sent(daemons)
+    pushing = Background("prefill", kvctl_argv(
+        "push", "--socket", daemons.sender.socket, "--peer", "decode", "--req", "cut-wire",
+        "--chunk", "per-token-per-layer"), daemons.state)
+    deadline = time.monotonic() + 120
+    while _writes_sent(daemons) < before + 20000:
+        assert time.monotonic() < deadline, "the push never got going"
+        time.sleep(0.2)
+    # Drop RoCE v2 (UDP 4791) leaving the prefill node; TCP, so the control
+    # connection, still flows. (Taking the decode node's link down instead
+    # would stall the prefill node's QEMU on its wire socket.)
+    drop_roce = ("tc qdisc add dev wire0 root handle 1: prio && "
+                 "tc qdisc add dev wire0 parent 1:3 handle 30: netem loss 100% && "
+                 "tc filter add dev wire0 parent 1:0 protocol ip u32 "
+                 "match ip dport 4791 0xffff flowid 1:3")
+    assert run_in("prefill", ["sh", "-c", drop_roce], state=daemons.state)[0] == 0
+    cut_at = time.monotonic()
+    try:
+        code, out, err = pushing.outcome(60)
+        failed_after = time.monotonic() - cut_at
+    finally:
+        run_in("prefill", ["tc", "qdisc", "del", "dev", "wire0", "root"], state=daemons.state)
+    assert code == 2, out + err
+    assert "RDMA write on QP" in err and "retry exceeded" in err, err
+    assert failed_after < 10, f"failed {failed_after:.1f} s after RoCE was cut"
+    print(f"RoCE cut: push failed after {failed_after:.2f} s: {err.strip().splitlines()[0]}")
+    # The sender dropped the broken connection: the receiver voided the lease.
+    deadline = time.monotonic() + 15
+    while "sender connection ended" not in daemons.receiver.log_text():
+        assert time.monotonic() < deadline, daemons.receiver.log_tail()
+        time.sleep(0.5)
+
+    decode = consume(daemons, ["after-cut"], seed=4)
+    code, _, err = push(daemons, "after-cut", 4, "--chunk", "per-layer")
+    assert code == 0, err
+    assert records_of(decode)[0]["bytes_ok"]

@@ -10,8 +10,9 @@ What the code must respect (docs/DESIGN.md, "RDMA facts"):
   an error naming the step and the attributes;
 - receives are posted before the peer learns the QP, and one is re-posted for
   every one consumed, before the credit for it goes back;
-- retries are bounded (``rnr_retry`` 6, never the endless 7): a missing
-  receive or a dead peer becomes a completion error within seconds;
+- retries are bounded (``retry_cnt`` and ``rnr_retry`` 6: rxe treats 7 as
+  endless for both): a missing receive or a dead peer becomes a completion
+  error within seconds;
 - writes are posted as lists through the QPEx ``wr_*`` API, one signalled
   work request per post (and every ``SIGNAL_EVERY``), completions polled in
   batches;
@@ -67,7 +68,10 @@ SQ_DEPTH = 1024
 SIGNAL_EVERY = SQ_DEPTH // 4
 POLL_BATCH = 64
 QP_TIMEOUT = 14  # 4.096 us x 2^14 = 67 ms before a retry
-RETRY_COUNT = 7  # 7 tries: a dead peer is an error in about half a second
+# Not 7: rxe, like rnr_retry, treats a retry_cnt of 7 as "retry forever"
+# (rxe_comp.c: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--`); a dead
+# wire then never completes in error. Measured: 7 hangs, 6 fails in seconds.
+RETRY_COUNT = 6
 RNR_RETRY = 6  # bounded; 7 would mean "retry forever", a silent hang
 MIN_RNR_TIMER = 12
 MTU_BYTES = {e.IBV_MTU_256: 256, e.IBV_MTU_512: 512, e.IBV_MTU_1024: 1024,
