@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from ..netns import write_toml
 from .machine import SHARED_DIR, LabError, LabState, run_in
 
 DECODE_ADDRESS = "198.18.78.2"
-PREFILL_ADDRESS = "198.18.78.1"
 
 
 def receiver_config(name: str = "decode", **overrides: Any) -> dict[str, Any]:
@@ -127,8 +125,3 @@ class NodeDaemon:
             return self.log_path.read_text()
         return ""
 
-
-def shared_path(name: str) -> Path:
-    path = SHARED_DIR / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
