@@ -173,10 +173,6 @@ class ChunkCursor:
         self._next_layer = 0
 
     @property
-    def committed_layers(self) -> int:
-        return self._next_layer
-
-    @property
     def done(self) -> bool:
         return self._next_offset >= self.shape.total_bytes
 
