@@ -14,7 +14,8 @@ import contextlib
 import mmap
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -127,6 +128,8 @@ class OutgoingPush:
         self._committed = 0
         self._started = started
         self._result: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
+        self.sent_layers = 0  # layers placed at the receiver so far
+        self._sent_changed = asyncio.Event()
 
     def layer(self, n: int) -> memoryview:
         """Writable staging memory of layer ``n`` (registered: no copy on the way out)."""
@@ -143,6 +146,23 @@ class OutgoingPush:
                              hint=f"commit layers in order; layer {self._committed} is next")
         self.client.conn.send(message("commit", req=self.req, layer=n))
         self._committed += 1
+
+    async def wait_sent(self, n: int) -> None:
+        """Wait until layer ``n`` is placed in the receiver's memory.
+
+        Its staging memory may then be reused: an engine that double-buffers
+        waits for layer n before computing layer n + 2 into the same buffer.
+        """
+        while self.sent_layers <= n:
+            if self._result.done():
+                self._result.result()  # a failure ends the wait
+                return
+            await self._sent_changed.wait()
+            self._sent_changed.clear()
+
+    def _sent(self, layer: int) -> None:
+        self.sent_layers = max(self.sent_layers, layer + 1)
+        self._sent_changed.set()
 
     async def finish(self) -> PushResult:
         """Wait until the receiver has every byte; the request's timings."""
@@ -164,11 +184,34 @@ class OutgoingPush:
             self._result.set_result(PushResult(
                 self.req, self.shape.total_bytes, msg["checksum"],
                 time.perf_counter() - self._started, dict(msg["timings"])))
+        self._sent(self.shape.layers - 1)
 
     def _failed(self, error: KvwireError) -> None:
         if not self._result.done():
             self._result.set_exception(error)
             self._result.exception()  # mark retrieved: the caller may never finish()
+        self._sent_changed.set()
+
+
+@dataclass
+class _Run:
+    """An experiment the daemon runs for this client."""
+
+    on_message: Callable[[Message], None]
+    result: asyncio.Future[dict[str, Any]]
+
+    def route(self, msg: Message) -> None:
+        if msg["t"] == "result":
+            if not self.result.done():
+                self.result.set_result(dict(msg["result"]))
+        elif msg["t"] == "failed":
+            self.fail(from_wire(msg["error"]))
+        else:
+            self.on_message(msg)
+
+    def fail(self, error: KvwireError) -> None:
+        if not self.result.done():
+            self.result.set_exception(error)
 
 
 class SenderClient:
@@ -178,6 +221,7 @@ class SenderClient:
         self.conn = _SenderConnection(path, self)
         self._opening: dict[str, asyncio.Future[Message]] = {}
         self._pushes: dict[str, OutgoingPush] = {}
+        self._runs: dict[str, _Run] = {}
 
     @classmethod
     async def connect(cls, path: str = DEFAULT_SENDER_SOCKET) -> SenderClient:
@@ -187,8 +231,13 @@ class SenderClient:
 
     async def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
                    chunk: str | int | None = None,
-                   deadline: float | None = None) -> OutgoingPush:
-        """Open a push of request ``req`` to receiver ``peer``."""
+                   deadline: float | None = None,
+                   discard: bool = False) -> OutgoingPush:
+        """Open a push of request ``req`` to receiver ``peer``.
+
+        ``discard``: the receiver frees the request as soon as it is delivered
+        instead of holding it for a decode engine (benchmarks, warm-up).
+        """
         layout = shape if isinstance(shape, KVLayout) else None
         request_shape = shape.shape() if isinstance(shape, KVLayout) else shape
         if req in self._opening or req in self._pushes:
@@ -198,6 +247,8 @@ class SenderClient:
             fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout)
         if deadline is not None:
             fields["deadline"] = float(deadline)
+        if discard:
+            fields["discard"] = 1
         started = time.perf_counter()
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._opening[req] = future
@@ -221,8 +272,29 @@ class SenderClient:
         push.commit(0)
         return await push.finish()
 
+    async def run(self, experiment: str, params: dict[str, Any],
+                  on_message: Callable[[Message], None]) -> dict[str, Any]:
+        """Run an experiment in the daemon; ``on_message`` sees its progress and rows."""
+        req = f"run-{uuid.uuid4().hex[:12]}"
+        run = _Run(on_message, asyncio.get_running_loop().create_future())
+        self._runs[req] = run
+        try:
+            self.conn.send(message("run", req=req, experiment=experiment, params=params))
+            return await run.result
+        finally:
+            self._runs.pop(req, None)
+
     def _route(self, msg: Message) -> None:
         req = msg.get("req", "")
+        run = self._runs.get(req)
+        if run is not None:
+            run.route(msg)
+            return
+        if msg["t"] == "sent":
+            push = self._pushes.get(req)
+            if push is not None:
+                push._sent(msg["layer"])
+            return
         if msg["t"] == "opened":
             future = self._opening.get(req)
             if future is not None and not future.done():
@@ -248,6 +320,8 @@ class SenderClient:
         for push in self._pushes.values():
             push._failed(error)
         self._pushes.clear()
+        for run in self._runs.values():
+            run.fail(error)
 
     async def close(self) -> None:
         await self.conn.close()

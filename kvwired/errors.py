@@ -105,6 +105,18 @@ class DaemonUnavailable(KvwireError):
     code = "unavailable"
 
 
+class ExperimentFailed(KvwireError):
+    """An experiment (kvctl run) could not finish; its partial results stand."""
+
+    code = "experiment_failed"
+
+
+class PerftestFailed(ExperimentFailed):
+    """The perftest baseline could not be run or read."""
+
+    code = "perftest_failed"
+
+
 _BY_CODE: dict[str, type[KvwireError]] = {}
 
 

@@ -50,13 +50,27 @@ CONTROL: Schema = {
     "welcome": {"name": STR, "transport": STR, "credits": INT},
     "connect": {"params": DICT},
     "ready": {"params": DICT},
-    "open": {"req": STR, "shape": DICT},
+    # discard=1: an experiment's request, freed as soon as it is delivered.
+    "open": {"req": STR, "shape": DICT, "discard": _f(int, required=False)},
     "lease": {"req": STR, "lease": INT, "offset": INT},
     "refused": {"req": STR, "error": ERROR},
     "abort": {"req": STR, "lease": INT, "error": ERROR},
     "abort_ack": {"req": STR, "lease": INT},
     "delivered": {"req": STR, "lease": INT, "checksum": INT},
     "credits": {"n": INT},
+    # Echo mode (kvctl run chunk-sweep): the receiver leases a slot and opens a
+    # data channel back to the sender; an immediate naming the echo lease is
+    # answered by a write of the same size (sizes[layer bits]) with the same
+    # immediate.
+    "echo_open": {"req": STR, "bytes": INT, "sizes": _f(list)},
+    "echo_offer": {"req": STR, "lease": INT, "offset": INT, "params": DICT},
+    "echo_answer": {"req": STR, "lease": INT, "reply_offset": INT, "params": DICT},
+    "echo_ready": {"req": STR, "lease": INT},
+    "echo_close": {"req": STR, "lease": INT},
+    # The perftest baseline: the receiver runs the tool's server side.
+    "baseline": {"req": STR, "tool": STR, "size": INT, "iters": INT},
+    "baseline_ready": {"req": STR, "port": INT},
+    "baseline_stop": {"req": STR},
     "ping": {},
     "pong": {},
     "error": {"error": ERROR},
@@ -72,12 +86,22 @@ SENDER_LOCAL: Schema = {
         "shape": DICT,
         "chunk_bytes": _f(int, required=False),
         "deadline": _f(float, int, required=False),
+        "discard": _f(int, required=False),
     },
     "opened": {"req": STR, "offset": INT, "chunk_bytes": INT},
     "commit": {"req": STR, "layer": INT},
+    # Layers up to ``layer`` are placed in the receiver's memory: their
+    # staging may be reused.
+    "sent": {"req": STR, "layer": INT},
     "finished": {"req": STR, "checksum": INT, "timings": DICT},
     "abort": {"req": STR},
     "failed": {"req": STR, "error": ERROR},
+    # Experiments run by the daemon (kvctl run): progress, one row per
+    # finished measurement, then the result or ``failed``.
+    "run": {"req": STR, "experiment": STR, "params": DICT},
+    "progress": {"req": STR, "phase": STR, "done": INT, "total": INT},
+    "row": {"req": STR, "row": DICT},
+    "result": {"req": STR, "result": DICT},
     "error": {"error": ERROR},
 }
 

@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from . import immediate
+from . import immediate, perftest
 from .config import ReceiverConfig, parse_address
 from .control import ControlConnection
+from .echo import EchoLease, check_sizes
 from .errors import (
     ConfigError,
     DuplicateRequest,
+    ExperimentFailed,
     KvwireError,
     PeerLost,
     ProtocolError,
@@ -35,6 +37,7 @@ from .localsock import HELLO_TIMEOUT, close_quietly, local_session, reject, serv
 from .metrics import Metrics
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
+from .rdma import pick_gid
 from .tasks import spawn
 from .transport import make_transport
 from .transport.base import Responder
@@ -65,6 +68,7 @@ class Lease:
     landed: int = 0
     checksum: int = 0
     opened_at: float = 0.0
+    discard: bool = False  # an experiment's request: freed once delivered
 
 
 @dataclass(eq=False)
@@ -78,6 +82,8 @@ class SenderSession:
     credits_to_return: int = 0
     alive: bool = True
     writes_counted: int = 0
+    echoes: set[int] = field(default_factory=set)
+    baselines: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
 
 
 class ReceiverDaemon:
@@ -87,6 +93,7 @@ class ReceiverDaemon:
         self.pool: Pool | None = None
         self.transport = make_transport(config)
         self.leases: dict[int, Lease] = {}
+        self.echoes: dict[int, EchoLease] = {}
         self.by_req: dict[str, Lease] = {}
         self.subscribers: dict[str, set[Consumer]] = {}
         self.sessions: set[SenderSession] = set()
@@ -201,10 +208,107 @@ class ReceiverDaemon:
             lease = self.leases.get(msg["lease"])
             if lease is not None and lease.session is session and lease.state == "aborting":
                 self._free_lease(lease)
+        elif kind == "echo_open":
+            spawn(self._echo_open(session, msg), f"echo-{msg['req']}")
+        elif kind == "echo_answer":
+            spawn(self._echo_answer(session, msg), f"echo-answer-{msg['req']}")
+        elif kind == "echo_close":
+            echo = self.echoes.get(msg["lease"])
+            if echo is not None and echo.id in session.echoes:
+                self._close_echo(session, echo)
+        elif kind == "baseline":
+            spawn(self._baseline(session, msg), f"baseline-{msg['req']}")
+        elif kind == "baseline_stop":
+            proc = session.baselines.get(msg["req"])
+            if proc is not None:
+                # The server exits once its client is done; a hung one is killed.
+                asyncio.get_running_loop().call_later(5.0, perftest.kill, proc)
         elif kind == "error":
             raise PeerLost(f"sender {session.name} reported: {msg['error'].get('message')}")
         else:
             raise ProtocolError(f"a sender may not send {kind!r}")
+
+    # ----------------------------------------------------- experiments
+
+    async def _echo_open(self, session: SenderSession, msg: Message) -> None:
+        req = msg["req"]
+        assert self.pool is not None
+        try:
+            sizes = check_sizes(msg["sizes"], msg["bytes"])
+            slot = await self.pool.reserve(msg["bytes"], self.config.lease_wait)
+        except KvwireError as exc:
+            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        if not session.alive:
+            self.pool.release(slot)
+            return
+        echo = EchoLease(self._new_lease_id(), req, slot, sizes, session.conn)
+        self.echoes[echo.id] = echo
+        session.echoes.add(echo.id)
+        self._update_pool_metrics()
+        try:
+            offer = await echo.offer(self.transport)
+        except KvwireError as exc:
+            self._close_echo(session, echo)
+            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        log.info("echo lease opened", req=req, sender=session.name, bytes=msg["bytes"])
+        session.conn.send(offer)
+
+    async def _echo_answer(self, session: SenderSession, msg: Message) -> None:
+        echo = self.echoes.get(msg["lease"])
+        try:
+            if echo is None or echo.id not in session.echoes:
+                raise ProtocolError(f"echo_answer for unknown echo lease {msg['lease']}")
+            session.conn.send(await echo.complete(msg))
+        except KvwireError as exc:
+            if echo is not None:
+                self._close_echo(session, echo)
+            session.conn.send(message("refused", req=msg["req"], error=exc.to_wire()))
+
+    def _echo_failed(self, session: SenderSession, echo: EchoLease, error: KvwireError) -> None:
+        if self.echoes.get(echo.id) is not echo:
+            return
+        log.warning("echo channel failed", req=echo.req, sender=session.name, error=str(error))
+        self._close_echo(session, echo)
+        if session.alive:
+            session.conn.send(message("abort", req=echo.req, lease=echo.id,
+                                      error=error.to_wire()))
+
+    def _close_echo(self, session: SenderSession, echo: EchoLease) -> None:
+        if self.echoes.pop(echo.id, None) is None:
+            return
+        session.echoes.discard(echo.id)
+        echo.close()
+        assert self.pool is not None
+        self.pool.release(echo.slot)
+        self._update_pool_metrics()
+        log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
+
+    async def _baseline(self, session: SenderSession, msg: Message) -> None:
+        """Run the server side of one perftest measurement for this sender."""
+        req = msg["req"]
+        cfg = self.config
+        try:
+            if self.transport.name != "verbs":
+                raise ExperimentFailed(
+                    "the perftest baseline needs RDMA; this receiver runs over tcp",
+                    hint="run the daemons with transport = verbs, or drop --baseline")
+            gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
+            port = perftest.free_port()
+            proc = await perftest.start_server(perftest.command(
+                msg["tool"], gid, msg["size"], msg["iters"], port))
+        except KvwireError as exc:
+            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        session.baselines[req] = proc
+        session.conn.send(message("baseline_ready", req=req, port=port))
+        try:
+            await asyncio.wait_for(proc.wait(), perftest.SERVER_LINGER)
+        except TimeoutError:
+            perftest.kill(proc)
+        finally:
+            session.baselines.pop(req, None)
 
     async def _open(self, session: SenderSession, msg: Message) -> None:
         req = msg["req"]
@@ -236,7 +340,8 @@ class ReceiverDaemon:
                     f"request {req} is already held by this receiver").to_wire()))
             return
         lease = Lease(self._new_lease_id(), req, shape, slot, session,
-                      opened_at=asyncio.get_running_loop().time())
+                      opened_at=asyncio.get_running_loop().time(),
+                      discard=bool(msg.get("discard")))
         self.leases[lease.id] = lease
         self.by_req[req] = lease
         session.leases.add(lease.id)
@@ -247,7 +352,7 @@ class ReceiverDaemon:
         while True:
             lease_id = self._next_lease
             self._next_lease = self._next_lease % (immediate.LEASE_SPACE - 1) + 1
-            if lease_id not in self.leases:
+            if lease_id not in self.leases and lease_id not in self.echoes:
                 return lease_id
 
     # ---------------------------------------------------------- data path
@@ -256,6 +361,10 @@ class ReceiverDaemon:
         self._return_credit(session)
         self._count_received(session)
         lease_id, layer = immediate.unpack(imm)
+        if lease_id in session.echoes:
+            echo = self.echoes[lease_id]
+            echo.answer(layer, lambda exc: self._echo_failed(session, echo, exc))
+            return
         lease = self.leases.get(lease_id)
         if (lease is None or lease.session is not session or lease.state != "filling"
                 or not lease.landed <= layer < lease.shape.layers):
@@ -308,7 +417,10 @@ class ReceiverDaemon:
         self.metrics.request_seconds.labels(lease.session.name).observe(elapsed)
         lease.session.conn.send(message("delivered", req=lease.req, lease=lease.id,
                                         checksum=checksum))
-        self._notify(lease.req, self._complete_message(lease))
+        if lease.discard:
+            self._free_lease(lease)  # nobody consumes an experiment's request
+        else:
+            self._notify(lease.req, self._complete_message(lease))
         log.info("request delivered", req=lease.req, sender=lease.session.name,
                  bytes=lease.shape.total_bytes, seconds=round(elapsed, 6))
 
@@ -350,6 +462,10 @@ class ReceiverDaemon:
         self.metrics.peers.set(len(self.sessions))
         if session.responder is not None:
             session.responder.close()
+        for echo_id in list(session.echoes):
+            self._close_echo(session, self.echoes[echo_id])
+        for proc in session.baselines.values():
+            perftest.kill(proc)
         for lease_id in list(session.leases):
             lease = self.leases[lease_id]
             if lease.state != "complete":

@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -41,19 +43,35 @@ from .tasks import spawn
 from .transport import make_transport
 from .transport.base import DataChannel, Write
 
+if TYPE_CHECKING:
+    from .echo import EchoInitiator
+
 log = structlog.get_logger("kvwired.sender")
+
+# Control messages that answer a request of ours (``PeerLink.request``).
+ANSWERS = frozenset({"lease", "refused", "echo_offer", "echo_ready", "baseline_ready"})
 
 
 
 class Engine:
-    """A prefill engine on the unix socket."""
+    """Whoever opens pushes: a prefill engine on the unix socket, or one of the
+    daemon's own experiments (``inbox`` then takes what the daemon answers)."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: asyncio.StreamWriter | None = None,
+                 inbox: Callable[[Message], None] | None = None) -> None:
         self.writer = writer
+        self.inbox = inbox
         self.pushes: dict[str, Push] = {}
+        self.runs: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def gone(self) -> bool:
+        return self.writer is not None and self.writer.is_closing()
 
     def send(self, msg: Message) -> None:
-        if not self.writer.is_closing():
+        if self.inbox is not None:
+            self.inbox(msg)
+        elif self.writer is not None and not self.writer.is_closing():
             self.writer.write(encode(msg))
 
 
@@ -96,8 +114,10 @@ class PeerLink:
         self.credits = 0
         self._credit_freed = asyncio.Event()
         self._lock = asyncio.Lock()
-        self._opening: dict[str, asyncio.Future[tuple[int, int]]] = {}
+        # Requests to the receiver awaiting their answer, by request id.
+        self._waiting: dict[str, asyncio.Future[Message]] = {}
         self.pushes: dict[int, Push] = {}
+        self.echoes: dict[int, EchoInitiator] = {}
         self._reader: asyncio.Task[None] | None = None
 
     @property
@@ -170,21 +190,14 @@ class PeerLink:
 
     def _dispatch(self, msg: Message) -> None:
         kind = msg["t"]
-        if kind in ("lease", "refused"):
-            future = self._opening.pop(msg["req"], None)
+        if kind in ANSWERS:
+            future = self._waiting.pop(msg["req"], None)
             if future is None or future.done():
-                if kind == "lease":
-                    # Nobody waits for it any more (deadline, engine gone): give
-                    # the slot back at once; no write of ours can reach it.
-                    self.send(message("abort", req=msg["req"], lease=msg["lease"],
-                                      error=RequestAborted(
-                                          f"the sender stopped waiting for request "
-                                          f"{msg['req']}").to_wire()))
-                return
-            if kind == "lease":
-                future.set_result((msg["lease"], msg["offset"]))
-            else:
+                self._unwanted(msg)
+            elif kind == "refused":
                 future.set_exception(from_wire(msg["error"]))
+            else:
+                future.set_result(msg)
         elif kind == "delivered":
             push = self.pushes.get(msg["lease"])
             if push is not None and not push.delivered.done():
@@ -194,6 +207,9 @@ class PeerLink:
             if push is not None:
                 push.aborted_by_receiver = True
                 self.daemon.fail_push(push, from_wire(msg["error"]))
+            echo = self.echoes.get(msg["lease"])
+            if echo is not None:
+                echo.fail(from_wire(msg["error"]))
         elif kind == "credits":
             self.credits += msg["n"]
             self._credit_freed.set()
@@ -202,17 +218,37 @@ class PeerLink:
         else:
             raise ProtocolError(f"a receiver may not send {kind!r}")
 
-    async def open(self, req: str, shape: RequestShape) -> tuple[int, int]:
-        assert self.conn is not None
-        if req in self._opening:
+    def _unwanted(self, msg: Message) -> None:
+        # Nobody waits for this answer any more (deadline, engine gone): give
+        # back what it holds at once; no write of ours can reach it.
+        if msg["t"] == "lease":
+            self.send(message("abort", req=msg["req"], lease=msg["lease"],
+                              error=RequestAborted(f"the sender stopped waiting for request "
+                                                   f"{msg['req']}").to_wire()))
+        elif msg["t"] in ("echo_offer", "echo_ready"):
+            self.send(message("echo_close", req=msg["req"], lease=msg["lease"]))
+        elif msg["t"] == "baseline_ready":
+            self.send(message("baseline_stop", req=msg["req"]))
+
+    async def request(self, msg: Message) -> Message:
+        """Send ``msg`` and wait for the receiver's answer to its ``req``."""
+        if self.conn is None:
+            raise PeerLost(f"receiver {self.name} went away")
+        req = msg["req"]
+        if req in self._waiting:
             raise DuplicateRequest(f"request {req} is already being opened")
-        future: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
-        self._opening[req] = future
-        self.conn.send(message("open", req=req, shape=shape.to_wire()))
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._waiting[req] = future
+        self.conn.send(msg)
         try:
             return await future
         finally:
-            self._opening.pop(req, None)
+            self._waiting.pop(req, None)
+
+    async def open(self, req: str, shape: RequestShape, discard: bool = False) -> tuple[int, int]:
+        fields = {"discard": 1} if discard else {}
+        lease = await self.request(message("open", req=req, shape=shape.to_wire(), **fields))
+        return lease["lease"], lease["offset"]
 
     async def take_credit(self) -> None:
         # One credit per immediate in flight: the receiver never sees more
@@ -235,12 +271,14 @@ class PeerLink:
             self.daemon.metrics.peers.dec()
         if channel is not None:
             channel.close()
-        for future in self._opening.values():
+        for future in self._waiting.values():
             if not future.done():
                 future.set_exception(error)
-        self._opening.clear()
+        self._waiting.clear()
         for push in list(self.pushes.values()):
             self.daemon.fail_push(push, error)
+        for echo in list(self.echoes.values()):
+            echo.fail(error)
         self._credit_freed.set()
 
     def send(self, msg: Message) -> None:
@@ -296,7 +334,7 @@ class SenderDaemon:
         self.metrics.clients.inc()
         try:
             await local_session(reader, writer, SENDER_LOCAL, welcome, self.staging.memory.fd,
-                                lambda msg: self._dispatch_engine(engine, msg))
+                                lambda msg: self.engine_message(engine, msg))
         except KvwireError as exc:
             self.metrics.protocol_errors.labels("sender_local").inc()
             log.warning("prefill engine connection rejected", error=str(exc))
@@ -304,16 +342,22 @@ class SenderDaemon:
         except (ConnectionError, OSError):
             pass
         finally:
+            for run in engine.runs.values():
+                run.cancel()
             for push in list(engine.pushes.values()):
                 self.fail_push(push, RequestAborted(
                     f"the prefill engine disconnected before request {push.req} was delivered"))
             self.metrics.clients.dec()
             close_quietly(writer)
 
-    def _dispatch_engine(self, engine: Engine, msg: Message) -> None:
+    def engine_message(self, engine: Engine, msg: Message) -> None:
+        """Take one message from a prefill engine (or from an experiment)."""
         kind, req = msg["t"], msg.get("req", "")
         if kind == "open":
             spawn(self._open(engine, msg), f"open-{req}")
+            return
+        if kind == "run":
+            self._run(engine, msg)
             return
         push = engine.pushes.get(req)
         if push is None:
@@ -328,6 +372,19 @@ class SenderDaemon:
             self.fail_push(push, RequestAborted(f"the prefill engine aborted request {req}"))
         else:
             raise ProtocolError(f"a prefill engine may not send {kind!r}")
+
+    def _run(self, engine: Engine, msg: Message) -> None:
+        from .sweep import run_experiment
+
+        req = msg["req"]
+        if req in engine.runs:
+            engine.send(message("failed", req=req, error=DuplicateRequest(
+                f"experiment {req} is already running").to_wire()))
+            return
+        task = spawn(run_experiment(self, req, msg["experiment"], msg["params"], engine.send),
+                     f"run-{req}")
+        engine.runs[req] = task
+        task.add_done_callback(lambda _: engine.runs.pop(req, None))
 
     async def _open(self, engine: Engine, msg: Message) -> None:
         req = msg["req"]
@@ -357,7 +414,7 @@ class SenderDaemon:
         self.pushes[req] = push
         self._update_pool_metrics()
         push.driver = spawn(self._drive(push), f"push-{req}")
-        if engine.writer.is_closing():
+        if engine.gone:
             self.fail_push(push, RequestAborted(
                 f"the prefill engine disconnected while request {req} was being opened"))
             return
@@ -390,7 +447,7 @@ class SenderDaemon:
         self._update_pool_metrics()
         try:
             await link.ensure()
-            lease, remote_offset = await link.open(req, shape)
+            lease, remote_offset = await link.open(req, shape, bool(msg.get("discard")))
         except BaseException:
             self.staging.release(staging)
             self._update_pool_metrics()
@@ -420,8 +477,10 @@ class SenderDaemon:
                     base_local, base_remote = push.staging.offset, push.remote_offset
                     writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
                               for c in batch.chunks]
-                    push.posts.append(channel.post(
-                        writes, immediate.pack(push.lease, batch.completes_layer)))
+                    posted = channel.post(
+                        writes, immediate.pack(push.lease, batch.completes_layer))
+                    posted.add_done_callback(self._sent_callback(push, batch.completes_layer))
+                    push.posts.append(posted)
                     push.post_seconds += time.perf_counter() - started
                     push.writes += len(writes)
                     peer_writes.inc(len(writes))
@@ -444,6 +503,14 @@ class SenderDaemon:
             self.fail_push(push, KvwireError(f"internal error in the sender daemon: {exc!r}"))
             return
         self._finish_push(push, checksum)
+
+    @staticmethod
+    def _sent_callback(push: Push, layer: int) -> Callable[[asyncio.Future[None]], None]:
+        # The engine may reuse a layer's staging once its writes are placed.
+        def sent(posted: asyncio.Future[None]) -> None:
+            if not posted.cancelled() and posted.exception() is None and push.error is None:
+                push.engine.send(message("sent", req=push.req, layer=layer))
+        return sent
 
     async def _confirmation(self, push: Push) -> int:
         """The receiver's checksum, once every write has been placed.

@@ -17,16 +17,24 @@ def resolve(name: str) -> str:
     return name
 
 
+# A sender responds only to the echo channel of an experiment (kvctl run),
+# which has one ping in flight at a time.
+SENDER_RECEIVE_DEPTH = 16
+
+
 def make_transport(config: CommonConfig) -> Transport:
     name = resolve(config.transport)
-    receiver = isinstance(config, ReceiverConfig)
     if name == "verbs":
         from .verbs import VerbsTransport
 
+        # Both pools accept remote writes: the sender's only from the echo
+        # channel a receiver opens back to it, since no other QP in its
+        # protection domain ever learns the key.
         return VerbsTransport(
             device=config.rdma_device, gid_index=config.gid_index,
-            receive_depth=config.credits if isinstance(config, ReceiverConfig) else 0,
-            remote_write=receiver, spin_us=config.poll_spin_us)
+            receive_depth=config.credits if isinstance(config, ReceiverConfig)
+            else SENDER_RECEIVE_DEPTH,
+            remote_write=True, spin_us=config.poll_spin_us)
     from .tcp import TcpTransport
 
     if isinstance(config, ReceiverConfig):

@@ -182,6 +182,8 @@ class TcpResponder(Responder):
         self._closed = False
 
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
+        if not self._owner.listening:
+            await self._owner.listen()  # a sender answering an echo channel
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self._owner.expect(self._token, self)
         return {"host": self._host, "port": self._owner.port, "token": self._token,
@@ -373,6 +375,10 @@ class TcpTransport(Transport):
     def memory_view(self) -> memoryview:
         assert self._memory is not None, "transport not started"
         return self._memory.view
+
+    @property
+    def listening(self) -> bool:
+        return self._server is not None
 
     @property
     def port(self) -> int:

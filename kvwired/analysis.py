@@ -1,0 +1,120 @@
+"""The arithmetic of the experiments, kept apart so it can be checked by hand.
+
+- Percentiles are nearest-rank: p99 of 1,000 samples is the 990th smallest,
+  a value that was measured (and the convention perftest follows).
+- The knee of a bandwidth curve is the smallest size reaching a fraction
+  (90 %) of the peak: below it, per-descriptor cost rules; above it, the
+  link does.
+- Overlap: with compute Tc and transfer Tx per layer, running them one after
+  the other costs Tc + Tx per layer, double-buffered max(Tc, Tx); the ideal
+  speedup is (Tc + Tx) / max(Tc, Tx), at most 2, reached at the ridge point
+  Tc = Tx. Left of it the deployment is network-bound (faster kernels are
+  wasted), right of it compute-bound (a faster network is wasted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+KNEE_FRACTION = 0.9
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, ``q`` in [0, 100]."""
+    if not samples:
+        raise ValueError("no samples")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is outside 0..100")
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Half round trips, in microseconds."""
+
+    samples: int
+    min_us: float
+    p50_us: float
+    p99_us: float
+    p999_us: float
+    mean_us: float
+
+
+def half_rtt_latency(round_trips_s: Sequence[float]) -> Latency:
+    half = [rtt / 2 * 1e6 for rtt in round_trips_s]
+    return Latency(len(half), min(half), percentile(half, 50), percentile(half, 99),
+                   percentile(half, 99.9), sum(half) / len(half))
+
+
+def gbps(nbytes: float, seconds: float) -> float:
+    return nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def knee(bandwidth: dict[int, float], fraction: float = KNEE_FRACTION) -> int | None:
+    """The smallest size whose bandwidth reaches ``fraction`` of the peak."""
+    if not bandwidth:
+        return None
+    peak = max(bandwidth.values())
+    if peak <= 0:
+        return None
+    return min(size for size, bw in bandwidth.items() if bw >= fraction * peak)
+
+
+def recommend_chunk(bandwidth: dict[int, float], layer_bytes: int) -> tuple[int | None, str]:
+    """The streaming granularity to configure, and why.
+
+    The knee, if it lies within a layer: chunks must not straddle layers, or
+    a layer's notification waits for the next layer's compute. Otherwise a
+    whole layer per write, the largest chunk that keeps per-layer events.
+    """
+    at_knee = knee(bandwidth)
+    if at_knee is None:
+        return None, "no bandwidth was measured"
+    peak = max(bandwidth.values())
+    if at_knee <= layer_bytes:
+        return at_knee, (f"smallest size reaching {KNEE_FRACTION:.0%} of the "
+                         f"{peak:.3g} Gb/s peak; smaller chunks pay per-descriptor cost")
+    within = {s: bw for s, bw in bandwidth.items() if s <= layer_bytes}
+    if not within:
+        return at_knee, "no measured size fits in one layer"
+    best = max(within, key=lambda s: (within[s], -s))
+    return best, (f"the knee ({at_knee} B) is beyond one layer ({layer_bytes} B); "
+                  f"this is the fastest size that keeps per-layer notification "
+                  f"({within[best] / peak:.0%} of peak)")
+
+
+def ratio(ours: float | None, theirs: float | None) -> float | None:
+    if ours is None or theirs is None or theirs == 0:
+        return None
+    return ours / theirs
+
+
+def ideal_speedup(compute_s: float, transfer_s: float) -> float:
+    """(Tc + Tx) / max(Tc, Tx): what double buffering can at best save."""
+    longest = max(compute_s, transfer_s)
+    return (compute_s + transfer_s) / longest if longest > 0 else 1.0
+
+
+def efficiency(speedup: float, ideal: float) -> float:
+    """Measured speedup over the ideal one (1.0: overlap hid all it could)."""
+    return speedup / ideal if ideal > 0 else 0.0
+
+
+def bound_side(compute_s: float, transfer_s: float) -> str:
+    """Which side of the ridge (Tc = Tx) a deployment sits on."""
+    if math.isclose(compute_s, transfer_s, rel_tol=0.05):
+        return "balanced"
+    return "network-bound" if compute_s < transfer_s else "compute-bound"
+
+
+SIDE_MEANING = {
+    "network-bound": "transfer outlasts compute: faster kernels are wasted, the link sets "
+                     "the pace",
+    "compute-bound": "compute outlasts transfer: a faster network is wasted, the kernels "
+                     "set the pace",
+    "balanced": "at the ridge: compute and transfer hide each other completely",
+}

@@ -1,0 +1,192 @@
+"""Echo mode: the ping-pong a chunk sweep measures latency with.
+
+The sender's experiment asks its receiver for an echo lease (``echo_open``
+with the sizes it will use). The receiver leases a slot like for a request
+and opens a second data channel, back to the sender: it is the initiator
+this time, so the offer travels receiver -> sender (``echo_offer``), the
+sender's responder answers (``echo_answer``) and the receiver completes
+(``echo_ready``). A WRITE_WITH_IMM naming the echo lease is then answered by
+a write of the same size with the same immediate; its layer bits index the
+size list. Streaming writes carry no immediate and are not answered.
+
+Both ends keep the credit rules of the data path: the sender spends one of
+the receiver's credits per ping, and the receiver answers at most one write
+per immediate, so the sender's receive queue cannot run dry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from . import immediate
+from .control import ControlConnection
+from .errors import ExperimentFailed, KvwireError, ProtocolError, TransportError
+from .pool import Slot
+from .protocol import Message, message
+from .transport.base import DataChannel, Initiator, Responder, Transport, Write
+
+log = structlog.get_logger("kvwired.echo")
+
+MAX_SIZES = immediate.MAX_LAYERS
+
+
+def check_sizes(sizes: list[Any], region: int) -> list[int]:
+    if not sizes or len(sizes) > MAX_SIZES:
+        raise ProtocolError(f"an echo takes 1 to {MAX_SIZES} sizes, got {len(sizes)}")
+    checked = []
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= region:
+            raise ProtocolError(f"echo size {size!r} is not within 1..{region} B")
+        checked.append(size)
+    return checked
+
+
+# ------------------------------------------------------------- receiver side
+
+
+@dataclass(eq=False)
+class EchoLease:
+    """The receiver's end: a leased slot and the channel back to the sender."""
+
+    id: int
+    req: str
+    slot: Slot
+    sizes: list[int]
+    conn: ControlConnection
+    initiator: Initiator | None = None
+    channel: DataChannel | None = None
+    reply_offset: int = 0
+    answered: int = 0
+
+    async def offer(self, transport: Transport) -> Message:
+        self.initiator = transport.initiator(self.conn.local_host)
+        params = await self.initiator.offer()
+        return message("echo_offer", req=self.req, lease=self.id, offset=self.slot.offset,
+                       params=params)
+
+    async def complete(self, msg: Message) -> Message:
+        if self.initiator is None or self.channel is not None:
+            raise ProtocolError(f"echo_answer for lease {self.id} out of turn")
+        # The channel checks every write against the sender's region.
+        self.reply_offset = max(0, msg["reply_offset"])
+        self.channel = await self.initiator.complete(msg["params"])
+        return message("echo_ready", req=self.req, lease=self.id)
+
+    def answer(self, index: int, on_error: Callable[[KvwireError], None]) -> None:
+        """Write the ping's size back with the same immediate."""
+        channel = self.channel
+        if channel is None or index >= len(self.sizes):
+            return
+        size = self.sizes[index]
+        posted = channel.post([Write(self.slot.offset, self.reply_offset, size)],
+                              immediate.pack(self.id, index))
+        self.answered += 1
+
+        def done(future: asyncio.Future[None]) -> None:
+            if not future.cancelled() and (exc := future.exception()) is not None:
+                on_error(exc if isinstance(exc, KvwireError) else TransportError(str(exc)))
+        posted.add_done_callback(done)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        elif self.initiator is not None:
+            self.initiator.abandon()
+        self.channel = None
+        self.initiator = None
+
+
+# --------------------------------------------------------------- sender side
+
+
+@dataclass(eq=False)
+class EchoInitiator:
+    """The sender's end: pings of a given size, and streams without echo."""
+
+    req: str
+    link_name: str
+    slot: Slot  # our staging: the source of pings and where echoes land
+    sizes: list[int]
+    lease: int = 0
+    remote_offset: int = 0
+    responder: Responder | None = None
+    error: KvwireError | None = None
+    _pending: asyncio.Future[int] | None = None
+
+    def on_immediate(self, imm: int) -> None:
+        lease, index = immediate.unpack(imm)
+        pending = self._pending
+        if lease == self.lease % immediate.LEASE_SPACE and pending is not None \
+                and not pending.done():
+            pending.set_result(index)
+
+    def fail(self, error: Exception) -> None:
+        if self.error is None:
+            self.error = error if isinstance(error, KvwireError) else TransportError(str(error))
+        if self._pending is not None and not self._pending.done():
+            self._pending.set_exception(self.error)
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    async def ping(self, channel: DataChannel, index: int, timeout: float,
+                   take_credit: Callable[[], Any]) -> float:
+        """One round trip of ``sizes[index]`` bytes each way; seconds."""
+        self.check()
+        await take_credit()
+        self._pending = asyncio.get_running_loop().create_future()
+        size = self.sizes[index]
+        started = time.perf_counter()
+        posted = channel.post([Write(self.slot.offset, self.remote_offset, size)],
+                              immediate.pack(self.lease, index))
+        try:
+            async with asyncio.timeout(timeout):
+                answered = await self._pending
+        except TimeoutError:
+            raise ExperimentFailed(
+                f"receiver {self.link_name} did not echo a {size} B ping within {timeout:g} s",
+                hint="the receiver's log says why; is it overloaded or stopped?") from None
+        finally:
+            self._pending = None
+        elapsed = time.perf_counter() - started
+        await posted
+        if answered != index:
+            raise ProtocolError(f"echo answered size #{answered}, expected #{index}")
+        return elapsed
+
+    async def stream(self, channel: DataChannel, size: int, count: int,
+                     progress: Callable[[int], None]) -> float:
+        """``count`` writes of ``size`` back to back, no immediates; seconds."""
+        self.check()
+        region = max(self.sizes)
+        slots = max(1, region // size)
+        per_post = max(1, min(64, (4 << 20) // size))
+        window = max(2, 1024 // per_post)  # posts in flight
+        in_flight: list[asyncio.Future[None]] = []
+        local = self.slot.offset
+        started = time.perf_counter()
+        sent = 0
+        while sent < count:
+            n = min(per_post, count - sent)
+            writes = [Write(local + ((sent + i) % slots) * size,
+                            self.remote_offset + ((sent + i) % slots) * size, size)
+                      for i in range(n)]
+            in_flight.append(channel.post(writes))
+            sent += n
+            if len(in_flight) >= window:
+                await in_flight.pop(0)
+                progress(sent)
+                self.check()
+        for outcome in await asyncio.gather(*in_flight, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        elapsed = time.perf_counter() - started
+        progress(sent)
+        return elapsed

@@ -1,0 +1,344 @@
+"""``kvctl run chunk-sweep``, run by the sender daemon against a receiver.
+
+Per size, on the daemons' own data path:
+
+1. latency: WRITE_WITH_IMM ping-pong through the receiver's echo lease;
+   half round trips, like ib_write_lat reports them;
+2. streaming: writes of that size back to back, no immediates, a window of
+   posts in flight (like ib_write_bw): Gb/s and writes/s;
+3. delivery: the whole 48 MiB reference cache pushed at that granularity
+   through the real request path (lease, per-layer immediates, delivery
+   confirmation), the receiver discarding it once delivered;
+4. optionally perftest on the same link (``baseline = perftest``).
+
+Each finished size goes to kvctl as a ``row`` at once, so a sweep cut short
+by a vanished receiver still leaves every row it measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from . import analysis, perftest
+from .config import parse_address
+from .echo import EchoInitiator
+from .errors import (
+    ExperimentFailed,
+    KvwireError,
+    PerftestFailed,
+    UnknownPeer,
+    UsageError,
+    from_wire,
+)
+from .layout import KVLayout
+from .protocol import Message, message
+from .rdma import pick_gid
+from .units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from .sender import PeerLink, SenderDaemon
+
+log = structlog.get_logger("kvwired.sweep")
+
+MiB = 1 << 20
+DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
+                 8 * MiB, 48 * MiB)
+PERFTEST_TRIES = 3
+PROGRESS_EVERY = 0.2  # seconds between progress messages
+
+
+@dataclass(frozen=True)
+class SweepParams:
+    peer: str
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    iters: int = 1000
+    # Bytes moved per size, both ways, at most, for the ping-pong: large sizes
+    # get fewer round trips (at least MIN_PINGS).
+    latency_bytes: int = 64 * MiB
+    stream_bytes: int = 64 * MiB
+    deliver: bool = True
+    baseline: str = ""
+    ping_timeout: float = 10.0
+
+    MIN_PINGS = 3
+    MIN_STREAM = 2
+
+    @classmethod
+    def from_wire(cls, params: dict[str, Any]) -> SweepParams:
+        try:
+            sizes = tuple(parse_size(s) for s in params.get("sizes") or DEFAULT_SIZES)
+            built = cls(
+                peer=str(params["peer"]), sizes=sizes, iters=int(params.get("iters", 1000)),
+                latency_bytes=parse_size(params.get("latency_bytes", 64 * MiB)),
+                stream_bytes=parse_size(params.get("stream_bytes", 64 * MiB)),
+                deliver=bool(params.get("deliver", True)),
+                baseline=str(params.get("baseline") or ""),
+                ping_timeout=float(params.get("ping_timeout", 10.0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"bad chunk-sweep parameters: {exc}") from exc
+        if not sizes or min(sizes) < 1 or len(sizes) > 64:
+            raise UsageError("chunk-sweep takes 1 to 64 positive sizes")
+        if built.iters < 1:
+            raise UsageError("--iters must be at least 1")
+        if built.baseline not in ("", "perftest"):
+            raise UsageError(f"unknown baseline {built.baseline!r}", hint="use perftest")
+        return built
+
+    def pings(self, size: int) -> int:
+        return max(self.MIN_PINGS, min(self.iters, self.latency_bytes // (2 * size)))
+
+    def stream_writes(self, size: int) -> int:
+        return max(self.MIN_STREAM, self.stream_bytes // size)
+
+
+Report = Callable[[Message], None]
+
+
+@dataclass
+class _Progress:
+    req: str
+    report: Report
+    last: float = 0.0
+
+    def __call__(self, phase: str, done: int, total: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or done >= total or now - self.last >= PROGRESS_EVERY:
+            self.last = now
+            self.report(message("progress", req=self.req, phase=phase, done=done, total=total))
+
+
+@dataclass
+class ChunkSweep:
+    daemon: SenderDaemon
+    params: SweepParams
+    req: str
+    report: Report
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    async def run(self) -> dict[str, Any]:
+        daemon, params = self.daemon, self.params
+        link = daemon.links.get(params.peer)
+        if link is None:
+            raise UnknownPeer(f"no receiver named {params.peer!r} is configured",
+                              hint=f"known peers: {', '.join(sorted(daemon.links)) or 'none'}")
+        progress = _Progress(self.req, self.report)
+        await link.ensure()
+        assert daemon.staging is not None
+        region = max(params.sizes)
+        slot = await daemon.staging.reserve(region, daemon.config.staging_wait)
+        echo = EchoInitiator(self.req, link.name, slot, list(params.sizes))
+        try:
+            await self._open_echo(link, echo)
+            for index, size in enumerate(params.sizes):
+                row: dict[str, Any] = {"size": size}
+                row.update(await self._latency(link, echo, index, size, progress))
+                row.update(await self._stream(link, echo, size, progress))
+                if params.deliver:
+                    row.update(await self._deliver(link, size, progress))
+                if params.baseline == "perftest":
+                    row.update(await self._perftest(link, size, progress))
+                self.rows.append(row)
+                self.report(message("row", req=self.req, row=row))
+                log.info("chunk-sweep size done", **{
+                    k: v for k, v in row.items() if not isinstance(v, list)})
+        finally:
+            self._close_echo(link, echo)
+            daemon.staging.release(slot)
+        return self.summary(link)
+
+    # ------------------------------------------------------------ echo
+
+    async def _open_echo(self, link: PeerLink, echo: EchoInitiator) -> None:
+        offer = await link.request(message("echo_open", req=self.req, bytes=echo.slot.length,
+                                           sizes=echo.sizes))
+        echo.lease, echo.remote_offset = offer["lease"], offer["offset"]
+        link.echoes[echo.lease] = echo
+        assert link.conn is not None
+        echo.responder = self.daemon.transport.responder(
+            link.conn.local_host, echo.on_immediate, echo.fail)
+        answer = await echo.responder.accept(offer["params"])
+        await link.request(message("echo_answer", req=self.req, lease=echo.lease,
+                                   reply_offset=echo.slot.offset, params=answer))
+
+    def _close_echo(self, link: PeerLink, echo: EchoInitiator) -> None:
+        if link.echoes.pop(echo.lease, None) is not None:
+            link.send(message("echo_close", req=self.req, lease=echo.lease))
+        if echo.responder is not None:
+            echo.responder.close()
+
+    def _channel(self, link: PeerLink, echo: EchoInitiator) -> Any:
+        echo.check()
+        if not link.connected or link.channel is None:
+            raise ExperimentFailed(f"receiver {link.name} went away during the sweep")
+        return link.channel
+
+    # ----------------------------------------------------- measurements
+
+    async def _latency(self, link: PeerLink, echo: EchoInitiator, index: int, size: int,
+                       progress: _Progress) -> dict[str, Any]:
+        pings = self.params.pings(size)
+        warmup = min(10, max(1, pings // 10))
+        phase = f"latency {format_size(size)}"
+        rtts = []
+        for n in range(warmup + pings):
+            rtt = await echo.ping(self._channel(link, echo), index, self.params.ping_timeout,
+                                  link.take_credit)
+            if n >= warmup:
+                rtts.append(rtt)
+                progress(phase, len(rtts), pings)
+        lat = analysis.half_rtt_latency(rtts)
+        return {"lat_samples": lat.samples, "lat_min_us": lat.min_us, "lat_p50_us": lat.p50_us,
+                "lat_p99_us": lat.p99_us, "lat_p999_us": lat.p999_us,
+                "lat_mean_us": lat.mean_us, "half_rtt_us": [r / 2 * 1e6 for r in rtts]}
+
+    async def _stream(self, link: PeerLink, echo: EchoInitiator, size: int,
+                      progress: _Progress) -> dict[str, Any]:
+        count = self.params.stream_writes(size)
+        phase = f"stream {format_size(size)}"
+        seconds = await echo.stream(self._channel(link, echo), size, count,
+                                    lambda done: progress(phase, done, count))
+        return {"stream_writes": count, "stream_bytes": count * size,
+                "stream_seconds": seconds, "stream_gbps": analysis.gbps(count * size, seconds),
+                "stream_writes_per_s": count / seconds if seconds else 0.0}
+
+    async def _deliver(self, link: PeerLink, size: int,
+                       progress: _Progress) -> dict[str, Any]:
+        """The reference cache through the request path, as an engine would push it."""
+        layout = KVLayout()
+        phase = f"deliver 48 MiB at {format_size(size)}"
+        progress(phase, 0, 1, force=True)
+        timings = await push_internally(self.daemon, link.name, layout, size)
+        progress(phase, 1, 1)
+        return {"deliver_seconds": timings["total_seconds"],
+                "deliver_writes": int(timings["writes"]),
+                "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
+
+    async def _perftest(self, link: PeerLink, size: int,
+                        progress: _Progress) -> dict[str, Any]:
+        if self.daemon.transport.name != "verbs":
+            raise PerftestFailed(
+                "the perftest baseline needs RDMA; the daemons run over tcp",
+                hint="run the daemons with transport = verbs, or drop --baseline")
+        phase = f"perftest {format_size(size)}"
+        progress(phase, 0, 2, force=True)
+        lat_iters = max(5, self.params.pings(size))
+        out = await self._perftest_pair(link, "ib_write_lat", size, lat_iters)
+        lat = perftest.parse_latency(out, size)
+        progress(phase, 1, 2)
+        bw_iters = max(5, self.params.stream_writes(size))
+        out = await self._perftest_pair(link, "ib_write_bw", size, bw_iters)
+        bw = perftest.parse_bandwidth(out, size)
+        progress(phase, 2, 2)
+        return {"perftest_lat_samples": lat.iterations, "perftest_lat_typical_us": lat.typical_us,
+                "perftest_lat_p99_us": lat.p99_us, "perftest_lat_p999_us": lat.p999_us,
+                "perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
+
+    async def _perftest_pair(self, link: PeerLink, tool: str, size: int, iters: int) -> str:
+        """Server on the receiver, client here; a hung or failed run is tried again."""
+        assert link.conn is not None
+        cfg = self.daemon.config
+        gid = pick_gid(link.conn.local_host, cfg.rdma_device, cfg.gid_index)
+        server_host = parse_address(link.address, 7471)[0]
+        # Generous: emulated links move a few MB/s, and setup takes seconds.
+        limit = 30 + 2 * size * iters / 4e6
+        failures = []
+        for attempt in range(PERFTEST_TRIES):
+            req = f"{self.req}-{tool}-{size}-{attempt}"
+            ready = await link.request(message("baseline", req=req, tool=tool, size=size,
+                                               iters=iters))
+            args = perftest.command(tool, gid, size, iters, ready["port"], server=server_host)
+            try:
+                return await _connect_and_run(args, limit)
+            except PerftestFailed as exc:
+                failures.append(str(exc))
+                log.warning("perftest run failed", tool=tool, size=size, error=str(exc))
+            finally:
+                link.send(message("baseline_stop", req=req))
+        raise PerftestFailed(f"{tool} at {size} B failed {PERFTEST_TRIES} times: "
+                             + "; ".join(failures))
+
+    # ---------------------------------------------------------- summary
+
+    def summary(self, link: PeerLink) -> dict[str, Any]:
+        bandwidth = {row["size"]: row["stream_gbps"] for row in self.rows}
+        layout = KVLayout()
+        knee = analysis.knee(bandwidth)
+        chunk, why = analysis.recommend_chunk(bandwidth, layout.layer_bytes)
+        return {"peer": link.name, "sender": self.daemon.config.name,
+                **self.daemon.transport.describe(),
+                "sizes": list(self.params.sizes), "knee_bytes": knee,
+                "peak_gbps": max(bandwidth.values()) if bandwidth else None,
+                "recommended_chunk_bytes": chunk, "recommendation": why,
+                "baseline": self.params.baseline or None}
+
+
+async def _connect_and_run(args: list[str], limit: float) -> str:
+    # The server needs a moment to listen; "Couldn't connect" means try again.
+    deadline = time.monotonic() + 15
+    while True:
+        code, out = await perftest.run(args, limit)
+        if code == 0:
+            return out
+        if "Couldn't connect" in out and time.monotonic() < deadline:
+            await asyncio.sleep(0.3)
+            continue
+        raise PerftestFailed(f"{args[0].rsplit('/', 1)[-1]} exited with {code}",
+                             hint=out.strip()[-600:])
+
+
+_internal_ids = itertools.count(1)
+
+
+async def push_internally(daemon: SenderDaemon, peer: str, layout: KVLayout,
+                          chunk_bytes: int) -> dict[str, float]:
+    """Push ``layout``'s cache through the request path; its timings."""
+    from .sender import Engine
+
+    req = f"sweep-deliver-{uuid.uuid4().hex[:8]}-{next(_internal_ids)}"
+    answers: asyncio.Queue[Message] = asyncio.Queue()
+    engine = Engine(inbox=answers.put_nowait)
+    daemon.engine_message(engine, message("open", req=req, peer=peer,
+                                          shape=layout.shape().to_wire(),
+                                          chunk_bytes=chunk_bytes, discard=1))
+    while True:
+        msg = await answers.get()
+        if msg["t"] == "opened":
+            for layer in range(layout.layers):
+                daemon.engine_message(engine, message("commit", req=req, layer=layer))
+        elif msg["t"] == "finished":
+            return dict(msg["timings"])
+        elif msg["t"] == "failed":
+            raise from_wire(msg["error"])
+
+
+async def run_experiment(daemon: SenderDaemon, req: str, experiment: str,
+                         params: dict[str, Any], report: Report) -> None:
+    """Run one experiment for a local client; it hears rows, then result or failed."""
+    try:
+        if experiment != "chunk-sweep":
+            raise UsageError(f"unknown experiment {experiment!r}", hint="use chunk-sweep")
+        sweep = ChunkSweep(daemon, SweepParams.from_wire(params), req, report)
+        log.info("chunk-sweep started", req=req, peer=sweep.params.peer,
+                 sizes=list(sweep.params.sizes), baseline=sweep.params.baseline)
+        result = await sweep.run()
+    except KvwireError as exc:
+        log.warning("experiment failed", req=req, error=str(exc))
+        report(message("failed", req=req, error=exc.to_wire()))
+        return
+    except Exception as exc:
+        log.exception("internal error in an experiment", req=req)
+        report(message("failed", req=req, error=KvwireError(
+            f"internal error in the sender daemon: {exc!r}",
+            hint="this is a bug in kvwire; the daemon log has the traceback").to_wire()))
+        return
+    log.info("chunk-sweep finished", req=req, knee=result["knee_bytes"],
+             peak_gbps=result["peak_gbps"])
+    report(message("result", req=req, result=result))
