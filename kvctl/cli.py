@@ -1,4 +1,4 @@
-"""``kvctl``: push KV caches, check daemons, run the demo."""
+"""``kvctl``: push KV caches, run experiments, probe nodes, check daemons, run the demo."""
 
 from __future__ import annotations
 
@@ -65,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
 
     from .lab.cli import add_parser as add_lab_parser
+    from .run.cli import add_parsers as add_run_parsers
 
+    add_run_parsers(commands)
     add_lab_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
@@ -97,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args)
         if args.command == "consume":
             return asyncio.run(_consume(args))
+        if args.command == "run":
+            from .run.cli import run_main
+
+            return run_main(args)
+        if args.command == "probe":
+            from .run.cli import probe_main
+
+            return probe_main(args)
         if args.command == "lab":
             from .lab.cli import main as lab_main
 

@@ -25,7 +25,7 @@ def _cell(value: object) -> str:
 
 def _numeric(text: str) -> bool:
     try:
-        float(text.split()[0])
+        float(text.split()[0].replace(",", "").rstrip("%"))
     except (ValueError, IndexError):
         return False
     return True

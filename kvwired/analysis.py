@@ -28,7 +28,8 @@ def percentile(samples: Sequence[float], q: float) -> float:
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is outside 0..100")
     ordered = sorted(samples)
-    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    # Rounded first: 99.9 / 100 * 1000 is 999.0000000000001 in floating point.
+    rank = max(1, math.ceil(round(q * len(ordered) / 100, 9)))
     return ordered[rank - 1]
 
 

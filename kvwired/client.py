@@ -272,6 +272,19 @@ class SenderClient:
         push.commit(0)
         return await push.finish()
 
+    @property
+    def peers(self) -> list[str]:
+        """The receivers the daemon is configured for."""
+        return list(self.conn.welcome.get("peers") or [])
+
+    def only_peer(self) -> str:
+        """The one configured receiver; an error naming them when there are several."""
+        if len(self.peers) != 1:
+            raise UsageError(
+                f"the sender daemon has {len(self.peers)} receivers configured",
+                hint=f"name one with --peer: {', '.join(self.peers) or 'none configured'}")
+        return self.peers[0]
+
     async def run(self, experiment: str, params: dict[str, Any],
                   on_message: Callable[[Message], None]) -> dict[str, Any]:
         """Run an experiment in the daemon; ``on_message`` sees its progress and rows."""

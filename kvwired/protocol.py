@@ -79,7 +79,7 @@ CONTROL: Schema = {
 # Prefill engine <-> sender daemon, over the sender's unix socket.
 SENDER_LOCAL: Schema = {
     "hello": {"role": STR},
-    "welcome": {"name": STR, "pool_size": INT},
+    "welcome": {"name": STR, "pool_size": INT, "peers": _f(list, required=False)},
     "open": {
         "req": STR,
         "peer": STR,

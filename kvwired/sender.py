@@ -330,7 +330,8 @@ class SenderDaemon:
     ) -> None:
         engine = Engine(writer)
         assert self.staging is not None
-        welcome = message("welcome", name=self.config.name, pool_size=self.staging.size)
+        welcome = message("welcome", name=self.config.name, pool_size=self.staging.size,
+                          peers=sorted(self.links))
         self.metrics.clients.inc()
         try:
             await local_session(reader, writer, SENDER_LOCAL, welcome, self.staging.memory.fd,

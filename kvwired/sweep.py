@@ -76,7 +76,8 @@ class SweepParams:
         try:
             sizes = tuple(parse_size(s) for s in params.get("sizes") or DEFAULT_SIZES)
             built = cls(
-                peer=str(params["peer"]), sizes=sizes, iters=int(params.get("iters", 1000)),
+                peer=str(params.get("peer") or ""), sizes=sizes,
+                iters=int(params.get("iters", 1000)),
                 latency_bytes=parse_size(params.get("latency_bytes", 64 * MiB)),
                 stream_bytes=parse_size(params.get("stream_bytes", 64 * MiB)),
                 deliver=bool(params.get("deliver", True)),
@@ -125,7 +126,8 @@ class ChunkSweep:
 
     async def run(self) -> dict[str, Any]:
         daemon, params = self.daemon, self.params
-        link = daemon.links.get(params.peer)
+        peer = params.peer or (next(iter(daemon.links)) if len(daemon.links) == 1 else "")
+        link = daemon.links.get(peer)
         if link is None:
             raise UnknownPeer(f"no receiver named {params.peer!r} is configured",
                               hint=f"known peers: {', '.join(sorted(daemon.links)) or 'none'}")

@@ -1,4 +1,4 @@
-"""Byte sizes as people write them ("2MiB", "512", "48 MiB") and back."""
+"""Byte sizes as people write them ("2MiB", "512", "48 MiB") and back; durations ("0.6ms")."""
 
 from __future__ import annotations
 
@@ -45,3 +45,18 @@ def format_size(n: int) -> str:
         if n >= factor:
             return f"{n / factor:.1f} {unit}"
     return f"{n} B"
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(s|ms|us|µs|ns)?\s*$")
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_seconds(text: str | float) -> float:
+    """Parse "0.6ms", "600us", "2s" or a bare number of seconds."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = _DURATION.match(text)
+    if not match:
+        raise ConfigError(f"cannot read {text!r} as a duration",
+                          hint="write seconds, optionally with s, ms, us or ns")
+    return float(match.group(1)) * _SECONDS[match.group(2) or "s"]

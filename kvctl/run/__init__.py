@@ -1,0 +1,1 @@
+"""``kvctl run``: the experiments (chunk-sweep, overlap), their output and plots."""

@@ -1,0 +1,161 @@
+"""``kvctl run chunk-sweep|overlap`` and ``kvctl probe``: flags and the glue to the runners."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvwired.client import DEFAULT_SENDER_SOCKET, SenderClient
+from kvwired.errors import KvwireError
+from kvwired.units import parse_seconds, parse_size
+
+from .progress import PhaseProgress
+
+
+def add_parsers(commands: Any) -> None:
+    run = commands.add_parser("run", help="run an experiment in the daemons")
+    experiments = run.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
+
+    sweep = experiments.add_parser(
+        "chunk-sweep", help="latency, bandwidth and 48 MiB delivery time per write size")
+    _common(sweep)
+    sweep.add_argument("--sizes", type=_sizes, help="comma-separated sizes (default: 512, 2KiB, "
+                       "8KiB, 12KiB, 64KiB, 256KiB, 1MiB, 2MiB, 8MiB, 48MiB)")
+    sweep.add_argument("--iters", type=int, default=1000,
+                       help="ping-pong round trips per size (fewer for large sizes, see "
+                       "--latency-bytes)")
+    sweep.add_argument("--latency-bytes", type=_size, default=64 << 20,
+                       help="at most this many bytes moved per size by the ping-pong")
+    sweep.add_argument("--stream-bytes", type=_size, default=64 << 20,
+                       help="bytes streamed per size for the bandwidth figure")
+    sweep.add_argument("--no-deliver", action="store_true",
+                       help="skip pushing the 48 MiB cache at each size")
+    sweep.add_argument("--baseline", choices=["perftest"],
+                       help="also run ib_write_lat/ib_write_bw on the same link, same sizes")
+
+    overlap = experiments.add_parser(
+        "overlap", help="prefill compute overlapped with transfer (double-buffered)")
+    _common(overlap)
+    overlap.add_argument("--ratios", type=_floats, default=None,
+                         help="Tc/Tx ratios (default 0,0.25,0.5,1,2,4)")
+    overlap.add_argument("--layers", type=int, default=24)
+    overlap.add_argument("--layer-bytes", type=_size, default=2 << 20)
+    overlap.add_argument("--repeats", type=int, default=3, help="pushes per point (median)")
+    overlap.add_argument("--chunk", help="write size (default: the sender's)")
+    overlap.add_argument("--layer-compute", type=_seconds,
+                         help="your prefill's compute time per layer (e.g. 0.6ms), to place "
+                         "the deployment against the ridge")
+
+    probe = commands.add_parser("probe", help="RDMA devices, GIDs, memlock and the PCIe link")
+    probe.add_argument("--dev", default="", help="only this RDMA device")
+    probe.add_argument("--to", help="a peer address: show the GID kvwire would use towards it")
+    probe.add_argument("--config", action="append", type=Path,
+                       help="daemon config(s) whose pools memlock must cover (default: "
+                       "/etc/kvwire/*.toml if present)")
+    probe.add_argument("--json", action="store_true")
+    probe.add_argument("--out", type=Path, help="also write probe.json into this directory")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peer", help="receiver name (default: the sender's only one)")
+    parser.add_argument("--socket", default=DEFAULT_SENDER_SOCKET, help="sender daemon socket")
+    parser.add_argument("--out", type=Path, help="write CSV, JSON and PNG plots here")
+    parser.add_argument("--json", action="store_true", help="print the JSON document")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except KvwireError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        return parse_seconds(text)
+    except KvwireError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+
+
+def _sizes(text: str) -> list[int]:
+    return [_size(part.strip()) for part in text.split(",") if part.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+
+
+def run_main(args: argparse.Namespace) -> int:
+    if args.experiment == "chunk-sweep":
+        return asyncio.run(_chunk_sweep(args))
+    return asyncio.run(_overlap(args))
+
+
+async def _chunk_sweep(args: argparse.Namespace) -> int:
+    from kvwired.sweep import DEFAULT_SIZES
+
+    from . import sweep
+
+    params: dict[str, Any] = {
+        "peer": args.peer or "", "sizes": args.sizes or list(DEFAULT_SIZES),
+        "iters": args.iters, "latency_bytes": args.latency_bytes,
+        "stream_bytes": args.stream_bytes, "deliver": not args.no_deliver,
+        "baseline": args.baseline or ""}
+    progress = PhaseProgress(enabled=not args.quiet)
+    run = await sweep.run_sweep(args.socket, params, progress)
+    return _finish(args, run.document(), sweep.render(run),
+                   lambda out: sweep.write_outputs(run, out), run.error)
+
+
+async def _overlap(args: argparse.Namespace) -> int:
+    from . import overlap
+
+    peer = args.peer
+    if not peer:
+        client = await SenderClient.connect(args.socket)
+        try:
+            peer = client.only_peer()
+        finally:
+            await client.close()
+    params = overlap.OverlapParams(
+        peer=peer, ratios=tuple(args.ratios or overlap.DEFAULT_RATIOS), layers=args.layers,
+        layer_bytes=args.layer_bytes, repeats=args.repeats, chunk=args.chunk,
+        layer_compute=args.layer_compute)
+    progress = PhaseProgress(enabled=not args.quiet)
+    run = await overlap.run_overlap(args.socket, params, progress)
+    return _finish(args, run.document(), overlap.render(run),
+                   lambda out: overlap.write_outputs(run, out), run.error)
+
+
+def _finish(args: argparse.Namespace, document: dict[str, Any], text: str,
+            write: Any, error: KvwireError | None) -> int:
+    print(json.dumps(document, indent=2) if args.json else text)
+    if args.out is not None:
+        for path in write(args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    if error is not None:
+        # The figures measured so far are printed and written above.
+        raise error
+    return 0
+
+
+def probe_main(args: argparse.Namespace) -> int:
+    from .. import probe
+
+    result = probe.probe(args.dev, args.to, args.config)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(probe.render(result))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    return 0

@@ -1,0 +1,231 @@
+"""``kvctl run overlap``: an emulated prefill engine on the real client API.
+
+Layer compute is emulated by a worker thread sleeping Tc (a GPU kernel
+keeps the host CPU free, and so does a sleeping thread), while the event
+loop keeps talking to the sender daemon. Per layer:
+
+- sequential: compute layer n, commit it, wait until it is placed remotely;
+- overlapped, double-buffered: before computing layer n, wait only until
+  layer n - 2 is placed (its buffer is the one layer n reuses), so layer n
+  is computed while layer n - 1 is on the wire.
+
+A push is timed from its first compute to the moment its last layer is
+placed at the receiver, which is when decode could start. T_x, the
+transfer time of one layer, is measured first (sequential, no compute);
+ratios Tc/Tx then set the compute time of each run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import statistics
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvwired import analysis
+from kvwired.client import OutgoingPush, SenderClient
+from kvwired.errors import KvwireError, UsageError
+from kvwired.layout import RequestShape
+from kvwired.units import format_size
+
+from .. import table
+from . import plots, results
+from .progress import PhaseProgress
+
+DEFAULT_RATIOS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class OverlapParams:
+    peer: str
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    layers: int = 24
+    layer_bytes: int = 2 << 20
+    repeats: int = 3
+    chunk: str | int | None = None
+    layer_compute: float | None = None  # the deployment's own Tc per layer, seconds
+
+    def __post_init__(self) -> None:
+        if self.layers < 3:
+            raise UsageError("overlap needs at least 3 layers to double-buffer")
+        if self.layer_bytes < 1 or self.repeats < 1:
+            raise UsageError("--layer-bytes and --repeats must be positive")
+        if any(r < 0 for r in self.ratios) or not self.ratios:
+            raise UsageError("--ratios must be non-negative numbers, e.g. 0,0.5,1,2")
+
+    @property
+    def shape(self) -> RequestShape:
+        return RequestShape(self.layers, self.layer_bytes)
+
+
+@dataclass
+class OverlapRun:
+    params: OverlapParams
+    started: str = field(default_factory=lambda: datetime.datetime.now(
+        datetime.UTC).isoformat(timespec="seconds"))
+    transfer_s: float | None = None  # T_x per layer
+    transfer_samples: list[float] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    error: KvwireError | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.error is None and len(self.rows) == len(self.params.ratios)
+
+    def summary(self) -> dict[str, Any]:
+        tx = self.transfer_s
+        out: dict[str, Any] = {"transfer_per_layer_s": tx, "ridge_ratio": 1.0,
+                               "ridge_compute_per_layer_s": tx}
+        if self.rows:
+            best = max(self.rows, key=lambda r: r["speedup"])
+            out.update(peak_speedup=best["speedup"], peak_speedup_ratio=best["ratio"],
+                       peak_efficiency=best["efficiency"])
+        if tx and self.params.layer_compute is not None:
+            side = analysis.bound_side(self.params.layer_compute, tx)
+            out.update(deployment_compute_per_layer_s=self.params.layer_compute,
+                       deployment_ratio=self.params.layer_compute / tx, deployment_side=side,
+                       deployment_meaning=analysis.SIDE_MEANING[side])
+        return out
+
+    def document(self) -> dict[str, Any]:
+        p = self.params
+        return {"experiment": "overlap", "started": self.started,
+                "params": {"peer": p.peer, "ratios": list(p.ratios), "layers": p.layers,
+                           "layer_bytes": p.layer_bytes, "repeats": p.repeats,
+                           "chunk": p.chunk, "layer_compute": p.layer_compute},
+                "complete": self.complete,
+                "error": None if self.error is None else self.error.to_wire(),
+                "summary": self.summary(), "transfer_samples_s": self.transfer_samples,
+                "rows": self.rows}
+
+
+async def _compute(seconds: float) -> None:
+    if seconds > 0:
+        await asyncio.to_thread(time.sleep, seconds)
+
+
+async def _push_once(client: SenderClient, params: OverlapParams, overlapped: bool,
+                     compute_s: float, transfer_samples: list[float] | None = None) -> float:
+    req = f"overlap-{uuid.uuid4().hex[:12]}"
+    push: OutgoingPush = await client.open(req, params.peer, params.shape, chunk=params.chunk,
+                                           discard=True)
+    try:
+        started = time.perf_counter()
+        for n in range(params.layers):
+            if overlapped and n >= 2:
+                await push.wait_sent(n - 2)  # the buffer layer n reuses is free
+            await _compute(compute_s)
+            committed = time.perf_counter()
+            push.commit(n)
+            if not overlapped:
+                await push.wait_sent(n)
+                if transfer_samples is not None:
+                    transfer_samples.append(time.perf_counter() - committed)
+        await push.wait_sent(params.layers - 1)
+        elapsed = time.perf_counter() - started
+        await push.finish()
+        return elapsed
+    except BaseException:
+        push.abort()
+        raise
+
+
+async def run_overlap(socket: str, params: OverlapParams, progress: PhaseProgress) -> OverlapRun:
+    run = OverlapRun(params)
+    client = await SenderClient.connect(socket)
+    try:
+        with progress:
+            await _measure(client, params, run, progress)
+    except KvwireError as exc:
+        run.error = exc
+    finally:
+        await client.close()
+    return run
+
+
+async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
+                   progress: PhaseProgress) -> None:
+    progress.update("T_x per layer", 0, params.repeats)
+    await _push_once(client, params, False, 0.0)  # warm-up: connection, first lease
+    for n in range(params.repeats):
+        await _push_once(client, params, False, 0.0, run.transfer_samples)
+        progress.update("T_x per layer", n + 1, params.repeats)
+    tx = statistics.median(run.transfer_samples)
+    run.transfer_s = tx
+    total_bytes = params.shape.total_bytes
+    for ratio in params.ratios:
+        tc = ratio * tx
+        phase = f"Tc/Tx = {ratio:g}"
+        timings: dict[bool, list[float]] = {False: [], True: []}
+        for n in range(params.repeats):
+            for overlapped in (False, True):
+                timings[overlapped].append(await _push_once(client, params, overlapped, tc))
+            progress.update(phase, n + 1, params.repeats)
+        sequential = statistics.median(timings[False])
+        overlapped_s = statistics.median(timings[True])
+        speedup = sequential / overlapped_s
+        ideal = analysis.ideal_speedup(tc, tx)
+        run.rows.append({
+            "ratio": ratio, "compute_per_layer_s": tc, "transfer_per_layer_s": tx,
+            "sequential_s": sequential, "overlapped_s": overlapped_s,
+            "sequential_gbps": analysis.gbps(total_bytes, sequential),
+            "overlapped_gbps": analysis.gbps(total_bytes, overlapped_s),
+            "speedup": speedup, "ideal_speedup": ideal,
+            "efficiency": analysis.efficiency(speedup, ideal),
+            "side": analysis.bound_side(tc, tx),
+            "sequential_samples_s": timings[False], "overlapped_samples_s": timings[True]})
+
+
+def render(run: OverlapRun) -> str:
+    p = run.params
+    lines = [f"overlap: {p.layers} layers x {format_size(p.layer_bytes)} "
+             f"({format_size(p.shape.total_bytes)}), compute emulated, median of {p.repeats}"]
+    if run.transfer_s is not None:
+        lines.append(f"T_x per layer: {run.transfer_s * 1e3:.2f} ms "
+                     f"({analysis.gbps(p.layer_bytes, run.transfer_s):.3f} Gb/s)")
+    lines.append(table.render(
+        ["Tc/Tx", "Tc ms", "sequential ms", "overlapped ms", "seq Gb/s", "ovl Gb/s", "speedup",
+         "ideal", "efficiency", "side"],
+        [[f"{r['ratio']:g}", f"{r['compute_per_layer_s'] * 1e3:.2f}",
+          f"{r['sequential_s'] * 1e3:.1f}", f"{r['overlapped_s'] * 1e3:.1f}",
+          f"{r['sequential_gbps']:.3f}", f"{r['overlapped_gbps']:.3f}", f"{r['speedup']:.2f}",
+          f"{r['ideal_speedup']:.2f}", f"{r['efficiency']:.0%}", r["side"]]
+         for r in run.rows]))
+    summary = run.summary()
+    if "peak_speedup" in summary:
+        lines.append(f"peak speedup {summary['peak_speedup']:.2f} at Tc/Tx = "
+                     f"{summary['peak_speedup_ratio']:g} "
+                     f"({summary['peak_efficiency']:.0%} of ideal)")
+    if run.transfer_s is not None:
+        lines.append(f"ridge point: Tc = Tx = {run.transfer_s * 1e3:.2f} ms per layer; below "
+                     "it the link sets the pace, above it compute does")
+    if "deployment_side" in summary:
+        lines.append(f"this deployment: Tc {summary['deployment_compute_per_layer_s'] * 1e3:.2f}"
+                     f" ms per layer = {summary['deployment_ratio']:.2g} x Tx: "
+                     f"{summary['deployment_side']} — {summary['deployment_meaning']}")
+    elif run.transfer_s is not None:
+        lines.append("give --layer-compute (your prefill's time per layer) to place your "
+                     "deployment against the ridge")
+    if run.error is not None:
+        lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
+                     f"{len(p.ratios)} ratios measured)")
+    return "\n".join(lines)
+
+
+def write_outputs(run: OverlapRun, out_dir: Path) -> list[Path]:
+    paths = results.write(out_dir, "overlap", run.document(), run.rows)
+    if not run.rows:
+        return paths
+    suffix = "" if run.complete else " (incomplete)"
+    summary = run.summary()
+    paths.append(plots.overlap_speedup(
+        run.rows, out_dir / "overlap-speedup.png",
+        f"Double-buffered overlap vs Tc/Tx{suffix}", summary.get("deployment_ratio")))
+    paths.append(plots.overlap_bandwidth(
+        run.rows, out_dir / "overlap-bandwidth.png",
+        f"Effective bandwidth, sequential vs overlapped{suffix}"))
+    return paths

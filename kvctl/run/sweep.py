@@ -1,0 +1,143 @@
+"""``kvctl run chunk-sweep``: ask the sender daemon to run it, show and keep the figures."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvwired import analysis
+from kvwired.client import SenderClient
+from kvwired.errors import KvwireError
+from kvwired.protocol import Message
+from kvwired.units import format_size
+
+from .. import table
+from . import plots, results
+from .progress import PhaseProgress
+
+# Sizes the closing summary quotes ratios at: a token of a layer, a token,
+# a layer of the reference cache.
+RATIO_SIZES = (512, 12 << 10, 2 << 20)
+
+
+@dataclass
+class SweepRun:
+    params: dict[str, Any]
+    started: str = field(default_factory=lambda: datetime.datetime.now(
+        datetime.UTC).isoformat(timespec="seconds"))
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    error: KvwireError | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.error is None and self.summary is not None
+
+    def document(self) -> dict[str, Any]:
+        return {"experiment": "chunk-sweep", "started": self.started, "params": self.params,
+                "complete": self.complete,
+                "error": None if self.error is None else self.error.to_wire(),
+                "summary": self.summary, "ratios": ratios(self.rows), "rows": self.rows}
+
+
+async def run_sweep(socket: str, params: dict[str, Any], progress: PhaseProgress) -> SweepRun:
+    run = SweepRun(params)
+
+    def on_message(msg: Message) -> None:
+        if msg["t"] == "row":
+            run.rows.append(dict(msg["row"]))
+        elif msg["t"] == "progress":
+            progress.update(msg["phase"], msg["done"], msg["total"])
+
+    client = await SenderClient.connect(socket)
+    try:
+        with progress:
+            run.summary = await client.run("chunk-sweep", params, on_message)
+    except KvwireError as exc:
+        run.error = exc
+    finally:
+        await client.close()
+    return run
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kvwire over perftest per size: latency (p50 / typical) and bandwidth."""
+    out = []
+    for row in rows:
+        if "perftest_gbps" not in row:
+            continue
+        out.append({
+            "size": row["size"],
+            "latency_ratio": analysis.ratio(row["lat_p50_us"], row["perftest_lat_typical_us"]),
+            "bandwidth_ratio": analysis.ratio(row["stream_gbps"], row["perftest_gbps"]),
+        })
+    return out
+
+
+def render(run: SweepRun) -> str:
+    perftest = any("perftest_gbps" in r for r in run.rows)
+    headers = ["size", "p50 µs", "p99 µs", "p99.9 µs", "n", "stream Gb/s", "writes/s",
+               "48 MiB ms"]
+    if perftest:
+        headers += ["pt lat µs", "pt Gb/s", "lat xpt", "bw xpt"]
+    body = []
+    for r in run.rows:
+        line: list[object] = [
+            format_size(r["size"]), f"{r['lat_p50_us']:.1f}", f"{r['lat_p99_us']:.1f}",
+            f"{r['lat_p999_us']:.1f}", r["lat_samples"], f"{r['stream_gbps']:.3f}",
+            f"{r['stream_writes_per_s']:,.0f}",
+            f"{r['deliver_seconds'] * 1e3:.0f}" if "deliver_seconds" in r else "-"]
+        if perftest:
+            if "perftest_gbps" in r:
+                line += [f"{r['perftest_lat_typical_us']:.1f}", f"{r['perftest_gbps']:.3f}",
+                         _times(analysis.ratio(r["lat_p50_us"], r["perftest_lat_typical_us"])),
+                         _times(analysis.ratio(r["stream_gbps"], r["perftest_gbps"]))]
+            else:
+                line += ["-"] * 4
+        body.append(line)
+    lines = ["chunk-sweep: half round trip (WRITE_WITH_IMM ping-pong), streaming writes, "
+             "and the 48 MiB cache delivered at each size", table.render(headers, body)]
+    summary = run.summary
+    if summary is not None:
+        lines.append(f"transport {summary.get('transport')}, sender {summary['sender']} -> "
+                     f"receiver {summary['peer']}")
+        knee = summary["knee_bytes"]
+        if knee is not None:
+            lines.append(f"knee: {format_size(knee)} (smallest size reaching 90% of the "
+                         f"{summary['peak_gbps']:.3f} Gb/s peak)")
+        chunk = summary["recommended_chunk_bytes"]
+        if chunk is not None:
+            lines.append(f"recommended streaming chunk: {format_size(chunk)} — "
+                         f"{summary['recommendation']}")
+    quoted = [r for r in ratios(run.rows) if r["size"] in RATIO_SIZES]
+    if quoted:
+        lines.append("kvwire / perftest: " + "; ".join(
+            f"{format_size(r['size'])}: latency {_times(r['latency_ratio'])}, "
+            f"bandwidth {_times(r['bandwidth_ratio'])}" for r in quoted))
+    if run.error is not None:
+        lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
+                     f"{len(run.params.get('sizes') or []) or '?'} sizes measured)")
+    return "\n".join(lines)
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def write_outputs(run: SweepRun, out_dir: Path) -> list[Path]:
+    paths = results.write(out_dir, "chunk-sweep", run.document(), run.rows)
+    if not run.rows:
+        return paths
+    summary = run.summary or {}
+    where = f"{summary.get('transport', '')} {summary.get('sender', '')} -> " \
+            f"{summary.get('peer', '')}".strip()
+    suffix = "" if run.complete else " (incomplete)"
+    paths.append(plots.sweep_latency(run.rows, out_dir / "chunk-sweep-latency.png",
+                                     f"Half round trip vs write size {where}{suffix}"))
+    paths.append(plots.sweep_bandwidth(run.rows, out_dir / "chunk-sweep-bandwidth.png",
+                                       f"Bandwidth vs write size {where}{suffix}",
+                                       summary.get("knee_bytes"),
+                                       summary.get("recommended_chunk_bytes")))
+    return paths

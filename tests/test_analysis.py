@@ -1,0 +1,91 @@
+"""The experiments' arithmetic against cases worked out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwired import analysis
+
+
+def test_percentiles_are_nearest_rank() -> None:
+    samples = [float(n) for n in range(1, 1001)]  # 1 .. 1000, shuffled below
+    shuffled = samples[::2] + samples[1::2]
+    assert analysis.percentile(shuffled, 50) == 500.0  # rank ceil(0.5 * 1000) = 500
+    assert analysis.percentile(shuffled, 99) == 990.0
+    assert analysis.percentile(shuffled, 99.9) == 999.0
+    assert analysis.percentile(shuffled, 100) == 1000.0
+    assert analysis.percentile(shuffled, 0) == 1.0
+    # Few samples: the tail percentiles are the largest sample, never beyond it.
+    assert analysis.percentile([3.0, 1.0, 2.0], 99.9) == 3.0
+    assert analysis.percentile([3.0, 1.0, 2.0], 50) == 2.0  # rank ceil(1.5) = 2
+    with pytest.raises(ValueError):
+        analysis.percentile([], 50)
+    with pytest.raises(ValueError):
+        analysis.percentile([1.0], 101)
+
+
+def test_latency_is_half_the_round_trip_in_microseconds() -> None:
+    lat = analysis.half_rtt_latency([0.000100, 0.000200, 0.000300, 0.000400])
+    assert lat.samples == 4
+    assert lat.min_us == pytest.approx(50.0)
+    assert lat.p50_us == pytest.approx(100.0)  # rank 2 of 50, 100, 150, 200
+    assert lat.p99_us == pytest.approx(200.0)
+    assert lat.mean_us == pytest.approx(125.0)
+
+
+def test_gbps() -> None:
+    assert analysis.gbps(48 << 20, 1.0) == pytest.approx(0.402653184)
+    assert analysis.gbps(125_000_000, 1.0) == pytest.approx(1.0)
+    assert analysis.gbps(1, 0.0) == 0.0
+
+
+def test_knee_is_the_smallest_size_reaching_90_percent_of_peak() -> None:
+    bandwidth = {512: 1.0, 2048: 4.0, 8192: 8.9, 65536: 9.5, 1 << 20: 10.0, 8 << 20: 9.8}
+    assert analysis.knee(bandwidth) == 65536  # 9.5 >= 9.0; 8.9 is not
+    assert analysis.knee(bandwidth, fraction=0.5) == 8192
+    assert analysis.knee({}) is None
+    assert analysis.knee({512: 0.0}) is None
+    # A noisy dip after the knee does not move it.
+    assert analysis.knee({512: 1.0, 4096: 9.2, 8192: 7.0, 16384: 10.0}) == 4096
+
+
+def test_recommended_chunk_is_the_knee_when_it_fits_a_layer() -> None:
+    layer = 2 << 20
+    chunk, why = analysis.recommend_chunk({512: 1.0, 65536: 9.5, layer: 10.0}, layer)
+    assert chunk == 65536 and "90%" in why
+
+
+def test_recommended_chunk_stays_within_a_layer_when_the_knee_is_beyond() -> None:
+    layer = 2 << 20
+    bandwidth = {512: 1.0, 1 << 20: 7.0, layer: 8.0, 48 << 20: 10.0}
+    chunk, why = analysis.recommend_chunk(bandwidth, layer)
+    assert chunk == layer  # the knee (48 MiB) would delay every layer's event
+    assert "beyond one layer" in why and "80% of peak" in why
+
+
+def test_ideal_speedup_peaks_at_two_on_the_ridge() -> None:
+    assert analysis.ideal_speedup(0.0, 1.0) == 1.0
+    assert analysis.ideal_speedup(0.5, 1.0) == 1.5
+    assert analysis.ideal_speedup(1.0, 1.0) == 2.0
+    assert analysis.ideal_speedup(2.0, 1.0) == 1.5
+    assert analysis.ideal_speedup(4.0, 1.0) == 1.25
+    assert analysis.ideal_speedup(0.0, 0.0) == 1.0
+
+
+def test_efficiency_is_measured_over_ideal() -> None:
+    assert analysis.efficiency(1.7, 2.0) == pytest.approx(0.85)
+    assert analysis.efficiency(1.25, 1.25) == pytest.approx(1.0)
+    assert analysis.efficiency(1.0, 0.0) == 0.0
+
+
+def test_side_of_the_ridge() -> None:
+    assert analysis.bound_side(0.6e-3, 0.84e-3) == "network-bound"
+    assert analysis.bound_side(2e-3, 1e-3) == "compute-bound"
+    assert analysis.bound_side(1.02e-3, 1e-3) == "balanced"  # within 5 %
+    assert set(analysis.SIDE_MEANING) == {"network-bound", "compute-bound", "balanced"}
+
+
+def test_ratio() -> None:
+    assert analysis.ratio(0.219, 0.172) == pytest.approx(1.2733, rel=1e-3)
+    assert analysis.ratio(None, 1.0) is None
+    assert analysis.ratio(1.0, 0.0) is None

@@ -1,0 +1,185 @@
+"""The experiments end to end with both daemons in this process, over TCP on loopback:
+chunk-sweep in the sender daemon (echo leases, streaming, delivery), overlap on
+the client API, their outputs and plots, and the failure paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvctl.run import overlap, sweep
+from kvctl.run.progress import PhaseProgress
+from kvwired.client import SenderClient
+from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
+from kvwired.layout import RequestShape
+
+from .conftest import LocalDaemons, start_local
+
+SIZES = [512, 8192, 65536]
+FAST = {"sizes": SIZES, "iters": 40, "stream_bytes": "1MiB", "deliver": True}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def quiet() -> PhaseProgress:
+    return PhaseProgress(enabled=False)
+
+
+@pytest.fixture
+async def roomy(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
+    # Room for an echo lease and the 48 MiB cache delivered beside it.
+    daemons = await start_local(tmp_path, receiver={"pool_size": "128MiB"},
+                                sender={"staging_size": "128MiB"})
+    yield daemons
+    await daemons.sender.stop()
+    await daemons.receiver.stop()
+
+
+async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaemons) -> None:
+    phases: list[str] = []
+
+    class Recording(PhaseProgress):
+        def update(self, phase: str, done: int, total: int) -> None:
+            phases.append(phase)
+            super().update(phase, done, total)
+
+    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST), Recording(enabled=False))
+    assert run.error is None and run.complete
+    assert [row["size"] for row in run.rows] == SIZES
+    for row in run.rows:
+        assert row["lat_samples"] == 40 and len(row["half_rtt_us"]) == 40
+        assert 0 < row["lat_min_us"] <= row["lat_p50_us"] <= row["lat_p99_us"] \
+            <= row["lat_p999_us"]
+        assert row["stream_bytes"] == row["stream_writes"] * row["size"] >= 1 << 20
+        assert row["stream_gbps"] > 0 and row["stream_writes_per_s"] > 0
+        # The whole reference cache went through the request path at this size.
+        assert row["deliver_writes"] == (48 << 20) // row["size"]
+        assert row["deliver_gbps"] > 0
+    summary = run.summary
+    assert summary is not None
+    assert summary["transport"] == "tcp" and summary["peer"] == "decode"
+    assert summary["knee_bytes"] in SIZES
+    assert summary["recommended_chunk_bytes"] == summary["knee_bytes"]  # all within a layer
+    assert summary["peak_gbps"] == max(row["stream_gbps"] for row in run.rows)
+    assert "latency 512 B" in phases and "stream 64 KiB" in phases
+    # Everything it leased is back: the echo slot, the discarded deliveries.
+    await asyncio.sleep(0.05)
+    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
+    assert roomy.sender.staging is not None and roomy.sender.staging.used_bytes == 0
+    assert not roomy.receiver.echoes and not roomy.receiver.leases
+    text = sweep.render(run)
+    assert "knee: " in text and "recommended streaming chunk" in text
+
+
+async def test_sweep_outputs_csv_json_and_plots(roomy: LocalDaemons, tmp_path: Path) -> None:
+    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST), quiet())
+    paths = sweep.write_outputs(run, tmp_path / "out")
+    names = sorted(p.name for p in paths)
+    assert names == ["chunk-sweep-bandwidth.png", "chunk-sweep-latency.png", "chunk-sweep.csv",
+                     "chunk-sweep.json"]
+    document = json.loads((tmp_path / "out" / "chunk-sweep.json").read_text())
+    assert document["complete"] is True and len(document["rows"]) == 3
+    assert document["summary"]["knee_bytes"] == run.summary["knee_bytes"]  # type: ignore[index]
+    csv_lines = (tmp_path / "out" / "chunk-sweep.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("size,lat_samples,") and len(csv_lines) == 4
+    assert "half_rtt_us" not in csv_lines[0]  # raw samples stay in the JSON
+    for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png"):
+        data = (tmp_path / "out" / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+
+
+async def test_sweep_against_a_receiver_that_disappears_keeps_the_rows_it_has(
+        roomy: LocalDaemons, tmp_path: Path) -> None:
+    rows_seen = asyncio.Event()
+
+    class StopAfterFirstRow(PhaseProgress):
+        def update(self, phase: str, done: int, total: int) -> None:
+            if phase.startswith("latency 64 KiB"):
+                rows_seen.set()
+
+    async def kill_receiver() -> None:
+        await rows_seen.wait()
+        await roomy.receiver.stop()
+
+    killer = asyncio.create_task(kill_receiver())
+    params = dict(FAST, iters=400)
+    run = await asyncio.wait_for(
+        sweep.run_sweep(roomy.sender_socket, params, StopAfterFirstRow(enabled=False)), 30)
+    await killer
+    assert isinstance(run.error, KvwireError) and not run.complete
+    assert isinstance(run.error, PeerLost | ExperimentFailed)
+    assert [row["size"] for row in run.rows] == [512, 8192]
+    paths = sweep.write_outputs(run, tmp_path / "partial")
+    document = json.loads(paths[0].read_text())
+    assert document["complete"] is False and document["error"]["message"]
+    assert len(document["rows"]) == 2
+    assert "INCOMPLETE" in sweep.render(run)
+
+
+async def test_sweep_with_perftest_over_tcp_is_refused_clearly(roomy: LocalDaemons) -> None:
+    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST, sizes=[512],
+                                                          baseline="perftest"), quiet())
+    assert run.error is not None and "needs RDMA" in run.error.message
+    assert "transport = verbs" in run.error.hint
+
+
+async def test_bad_experiment_requests_are_refused(roomy: LocalDaemons) -> None:
+    async with await SenderClient.connect(roomy.sender_socket) as client:
+        with pytest.raises(UsageError, match="unknown experiment"):
+            await client.run("warp-drive", {}, lambda msg: None)
+        with pytest.raises(KvwireError, match="no receiver named 'mars'"):
+            await client.run("chunk-sweep", {"peer": "mars", "sizes": [512]}, lambda msg: None)
+        with pytest.raises(KvwireError, match="cannot read"):
+            await client.run("chunk-sweep", {"sizes": ["lots"]}, lambda msg: None)
+        # An echo larger than the receiver's pool is refused, not hung.
+        with pytest.raises(KvwireError, match="pool"):
+            await client.run("chunk-sweep", {"sizes": ["512MiB"], "iters": 1},
+                             lambda msg: None)
+
+
+async def test_overlap_speeds_up_once_compute_is_there(roomy: LocalDaemons,
+                                                      tmp_path: Path) -> None:
+    params = overlap.OverlapParams(peer="decode", ratios=(0.0, 1.0, 2.0), layers=6,
+                                   layer_bytes=1 << 20, repeats=2, layer_compute=0.0005)
+    run = await overlap.run_overlap(roomy.sender_socket, params, quiet())
+    assert run.error is None and run.complete
+    assert run.transfer_s is not None and run.transfer_s > 0
+    assert len(run.transfer_samples) == 2 * 6
+    assert [r["ratio"] for r in run.rows] == [0.0, 1.0, 2.0]
+    at_ridge = run.rows[1]
+    assert at_ridge["ideal_speedup"] == 2.0
+    assert at_ridge["compute_per_layer_s"] == pytest.approx(run.transfer_s)
+    # Double buffering must beat compute-then-send when there is compute to hide.
+    assert at_ridge["overlapped_s"] < at_ridge["sequential_s"]
+    assert at_ridge["speedup"] > 1.0
+    assert at_ridge["efficiency"] == pytest.approx(at_ridge["speedup"] / 2.0)
+    summary = run.summary()
+    assert summary["ridge_ratio"] == 1.0
+    assert summary["deployment_side"] in ("network-bound", "compute-bound", "balanced")
+    paths = overlap.write_outputs(run, tmp_path / "ovl")
+    assert sorted(p.name for p in paths) == ["overlap-bandwidth.png", "overlap-speedup.png",
+                                             "overlap.csv", "overlap.json"]
+    for png in ("overlap-speedup.png", "overlap-bandwidth.png"):
+        assert (tmp_path / "ovl" / png).read_bytes().startswith(PNG_MAGIC)
+    assert "ridge point" in overlap.render(run)
+    await asyncio.sleep(0.05)
+    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
+
+
+async def test_sent_events_follow_each_layer(roomy: LocalDaemons) -> None:
+    async with await SenderClient.connect(roomy.sender_socket) as client:
+        assert client.peers == ["decode"] and client.only_peer() == "decode"
+        push = await client.open("sent-events", "decode", RequestShape(4, 4096),
+                                 chunk=1024, discard=True)
+        for layer in range(4):
+            push.commit(layer)
+            await asyncio.wait_for(push.wait_sent(layer), 5)
+            assert push.sent_layers == layer + 1
+        result = await push.finish()
+    assert result.bytes == 4 * 4096
+    await asyncio.sleep(0.05)
+    # discard: nobody had to release it.
+    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
