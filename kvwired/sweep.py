@@ -140,13 +140,16 @@ class ChunkSweep:
         try:
             await self._open_echo(link, echo)
             for index, size in enumerate(params.sizes):
-                row: dict[str, Any] = {"size": size}
-                row.update(await self._latency(link, echo, index, size, progress))
-                row.update(await self._stream(link, echo, size, progress))
-                if params.deliver:
-                    row.update(await self._deliver(link, size, progress))
-                if params.baseline == "perftest":
-                    row.update(await self._perftest(link, size, progress))
+                try:
+                    row = await self._measure(link, echo, index, size, progress)
+                except PerftestFailed:
+                    raise
+                except KvwireError as exc:
+                    raise ExperimentFailed(
+                        f"chunk-sweep stopped at {format_size(size)}: receiver {link.name}: "
+                        f"{exc.message}",
+                        hint=f"the {len(self.rows)} sizes measured before are kept; check the "
+                        "receiver (its log, kvctl status)") from exc
                 self.rows.append(row)
                 self.report(message("row", req=self.req, row=row))
                 log.info("chunk-sweep size done", **{
@@ -155,6 +158,17 @@ class ChunkSweep:
             self._close_echo(link, echo)
             daemon.staging.release(slot)
         return self.summary(link)
+
+    async def _measure(self, link: PeerLink, echo: EchoInitiator, index: int, size: int,
+                       progress: _Progress) -> dict[str, Any]:
+        row: dict[str, Any] = {"size": size}
+        row.update(await self._latency(link, echo, index, size, progress))
+        row.update(await self._stream(link, echo, size, progress))
+        if self.params.deliver:
+            row.update(await self._deliver(link, size, progress))
+        if self.params.baseline == "perftest":
+            row.update(await self._perftest(link, size, progress))
+        return row
 
     # ------------------------------------------------------------ echo
 

@@ -275,3 +275,65 @@ def test_kvctl_push_and_status_between_the_hosts(start: Start, pair: NetnsPair) 
     down = subprocess.run([sys.executable, "-m", "kvctl", "status", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=30)
     assert down.returncode == 1 and "DOWN" in down.stdout
+
+
+def _kvctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvctl", *args]
+
+
+def test_kvctl_experiments_between_the_hosts(start: Start, pair: NetnsPair,
+                                             tmp_path: Path) -> None:
+    _, tx = start()
+    out = tmp_path / "results"
+    sweep = subprocess.run(
+        _kvctl("run", "chunk-sweep", "--socket", tx.socket, "--sizes", "512,12KiB,2MiB",
+               "--iters", "50", "--stream-bytes", "4MiB", "--out", str(out)),
+        capture_output=True, text=True, timeout=180)
+    assert sweep.returncode == 0, sweep.stderr
+    assert "knee: " in sweep.stdout and "recommended streaming chunk" in sweep.stdout
+    document = json.loads((out / "chunk-sweep.json").read_text())
+    assert document["complete"] and [r["size"] for r in document["rows"]] == [512, 12288, 2 << 20]
+    assert document["summary"]["transport"] == "tcp"
+
+    overlap = subprocess.run(
+        _kvctl("run", "overlap", "--socket", tx.socket, "--ratios", "0,1", "--layers", "6",
+               "--repeats", "1", "--layer-compute", "1ms", "--out", str(out)),
+        capture_output=True, text=True, timeout=180)
+    assert overlap.returncode == 0, overlap.stderr
+    assert "ridge point" in overlap.stdout and "this deployment" in overlap.stdout
+    for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png", "overlap-speedup.png",
+                "overlap-bandwidth.png"):
+        assert (out / png).stat().st_size > 10_000, png
+
+    probe = subprocess.run(pair.argv(pair.prefill, _kvctl("probe", "--json")),
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr
+    assert "memlock_bytes" in json.loads(probe.stdout)
+
+
+def test_sweep_whose_receiver_is_killed_ends_with_an_error_and_partial_results(
+        start: Start, tmp_path: Path) -> None:
+    rx, tx = start()
+    out = tmp_path / "partial"
+    sweep = subprocess.Popen(
+        _kvctl("run", "chunk-sweep", "--socket", tx.socket, "--sizes", "512,4KiB,1MiB",
+               "--iters", "20000", "--stream-bytes", "4MiB", "--out", str(out)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert sweep.stderr is not None
+    # Phase lines appear as phases end: once 512 B's delivery is done, its row is in.
+    for line in sweep.stderr:
+        if line.startswith("  deliver 48 MiB at 512 B"):
+            break
+    assert rx.process is not None
+    rx.process.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    stdout, stderr = sweep.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert sweep.returncode == 2, stdout + stderr
+    assert "kvctl run: error: " in stderr and "receiver decode" in stderr
+    assert "INCOMPLETE" in stdout
+    document = json.loads((out / "chunk-sweep.json").read_text())
+    assert document["complete"] is False and document["error"]["code"]
+    assert [r["size"] for r in document["rows"]] == [512]
+    assert (out / "chunk-sweep-latency.png").stat().st_size > 10_000
+    rx.process.wait()

@@ -157,7 +157,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._responder is not None:
             self._responder.on_error(
-                PeerLost(f"data connection from the sender closed ({exc or 'end of stream'})")
+                PeerLost(f"incoming data connection closed ({exc or 'end of stream'})")
             )
 
     def close(self) -> None:
@@ -233,7 +233,7 @@ class _InitiatorProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._channel.fail(
-            PeerLost(f"data connection to the receiver closed ({exc or 'end of stream'})")
+            PeerLost(f"outgoing data connection closed ({exc or 'end of stream'})")
         )
 
 
