@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import resource
 import socket
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from kvwired.rdma import MEMLOCK_SLACK, ROCE_V2, SYSFS, GidEntry, devices, gid_t
 from kvwired.units import format_size
 
 NET = Path("/sys/class/net")
+BDF = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 # Line encoding per PCIe generation's transfer rate: 8b/10b up to 5 GT/s,
 # 128b/130b from 8 GT/s, 1b/1b flits (FLIT mode, 242/256 usable) at 64 GT/s.
 ENCODING = {2.5: 8 / 10, 5.0: 8 / 10, 8.0: 128 / 130, 16.0: 128 / 130, 32.0: 128 / 130,
@@ -108,24 +110,35 @@ def pcie_ceiling_gbps(speed_gts: float | None, width: int | None) -> float | Non
 
 
 def pcie_link(function: Path) -> PcieLink:
-    speed, width = _gts(_read(function / "current_link_speed")), _int(
-        _read(function / "current_link_width"))
+    # A function without link attributes of its own (some emulated NICs)
+    # shares its link with the port above it, which reports it.
+    link = function
+    while not (link / "current_link_speed").exists() and BDF.match(link.parent.name):
+        link = link.parent
+    speed, width = _gts(_read(link / "current_link_speed")), _int(
+        _read(link / "current_link_width"))
     numa = _int(_read(function / "numa_node"))
     return PcieLink(
-        bdf=function.resolve().name, speed_gts=speed, width=width,
-        max_speed_gts=_gts(_read(function / "max_link_speed")),
-        max_width=_int(_read(function / "max_link_width")),
+        bdf=function.name, speed_gts=speed, width=width,
+        max_speed_gts=_gts(_read(link / "max_link_speed")),
+        max_width=_int(_read(link / "max_link_width")),
         numa_node=None if numa is None or numa < 0 else numa,
         ceiling_gbps=pcie_ceiling_gbps(speed, width))
 
 
 def _pci_function(path: Path) -> Path | None:
-    """The PCI function behind a sysfs ``device`` link, if it is one."""
+    """The PCI function under a sysfs ``device`` link.
+
+    The link may point below the function (virtio-net: .../0000:01:00.0/virtio3),
+    so the nearest ancestor named like a PCI address is the function.
+    """
     device = path / "device"
     if not device.exists():
         return None
-    real = device.resolve()
-    return real if "/pci" in str(real) and (real / "vendor").exists() else None
+    for candidate in (device.resolve(), *device.resolve().parents):
+        if BDF.match(candidate.name):
+            return candidate
+    return None
 
 
 def _port_mtu(name: str, port: int) -> int | None:

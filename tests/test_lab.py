@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -72,6 +73,21 @@ def test_the_wire_nic_has_a_pcie_link_for_the_probe(lab: LabState) -> None:
     assert out.splitlines() == ["wire0", "2.5 GT/s PCIe", "1"]
 
 
+def test_kvctl_probe_follows_rxe_to_the_pcie_link_of_its_nic(lab: LabState) -> None:
+    code, out, err = run_in("prefill", [sys.executable, "-m", "kvctl", "probe", "--to",
+                                        "198.18.78.2", "--json"], state=lab)
+    assert code == 0, err
+    result = json.loads(out)
+    (rxe,) = result["devices"]
+    assert rxe["name"] == "rxe0" and rxe["netdev"] == "wire0"
+    assert rxe["ports"][0]["state"] == "ACTIVE" and rxe["ports"][0]["active_mtu"] == 1024
+    assert rxe["pcie"]["bdf"] == "0000:01:00.0"
+    assert (rxe["pcie"]["speed_gts"], rxe["pcie"]["width"]) == (2.5, 1)
+    assert rxe["pcie"]["ceiling_gbps"] == 2.0
+    assert result["picked"]["index"] == 1 and result["picked"]["ipv4"] == "198.18.78.1"
+    assert result["memlock_ok"]
+
+
 def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
     result = perftest.write_lat(512, 500, lab)
     print(f"ib_write_lat 512 B: typical {result.typical_us} us, min {result.min_us} us, "
@@ -82,7 +98,7 @@ def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
 def test_ib_write_bw_between_the_nodes(lab: LabState) -> None:
     result = perftest.write_bw(1 << 20, 100, lab)
     print(f"ib_write_bw 1 MiB: {result.gbps:.3f} Gb/s average")
-    assert result.average_mb_s > 0 and result.iterations == 100
+    assert result.gbps > 0 and result.iterations == 100
 
 
 def test_management_ports_reach_the_nodes_from_host_loopback(lab: LabState) -> None:

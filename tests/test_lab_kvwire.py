@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvctl.lab.daemons import DECODE_ADDRESS, NodeDaemon, receiver_config, sender_config
-from kvctl.lab.machine import LabState, run_in
+from kvctl.lab.machine import SHARED_DIR, LabState, run_in
 
 pytestmark = pytest.mark.lab
 
@@ -213,6 +213,43 @@ def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
         assert time.monotonic() - started < 30
     finally:
         lost.stop()
+
+
+def test_kvctl_run_chunk_sweep_in_the_lab(daemons: Daemons) -> None:
+    out = SHARED_DIR / f"sweep-{daemons.transport}"
+    baseline = ["--baseline", "perftest"] if daemons.transport == "verbs" else []
+    code, stdout, err = run_in("prefill", kvctl_argv(
+        "run", "chunk-sweep", "--socket", daemons.sender.socket, "--sizes", "4KiB,256KiB",
+        "--iters", "30", "--latency-bytes", "2MiB", "--stream-bytes", "2MiB", *baseline,
+        "--out", str(out)), state=daemons.state)
+    assert code == 0, err
+    document = json.loads((out / "chunk-sweep.json").read_text())
+    assert document["complete"] and document["summary"]["transport"] == daemons.transport
+    rows = document["rows"]
+    assert [r["size"] for r in rows] == [4096, 256 << 10]
+    assert all(r["lat_p50_us"] > 0 and r["stream_gbps"] > 0 and r["deliver_gbps"] > 0
+               for r in rows)
+    if daemons.transport == "verbs":
+        # ib_write_lat / ib_write_bw ran on the same link, and we are quoted against them.
+        assert all(r["perftest_gbps"] > 0 and r["perftest_lat_typical_us"] > 0 for r in rows)
+        assert [r["size"] for r in document["ratios"]] == [4096, 256 << 10]
+        assert "lat xpt" in stdout
+    for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png"):
+        assert (out / png).stat().st_size > 10_000
+
+
+def test_kvctl_run_overlap_in_the_lab(daemons: Daemons) -> None:
+    out = SHARED_DIR / f"overlap-{daemons.transport}"
+    code, stdout, err = run_in("prefill", kvctl_argv(
+        "run", "overlap", "--socket", daemons.sender.socket, "--layers", "4",
+        "--layer-bytes", "256KiB", "--ratios", "0,1", "--repeats", "1",
+        "--out", str(out)), state=daemons.state)
+    assert code == 0, err
+    document = json.loads((out / "overlap.json").read_text())
+    assert document["complete"] and [r["ratio"] for r in document["rows"]] == [0, 1]
+    assert document["summary"]["transfer_per_layer_s"] > 0
+    assert "ridge point" in stdout
+    assert (out / "overlap-speedup.png").stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("daemons", ["verbs"], indirect=True)

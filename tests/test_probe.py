@@ -50,8 +50,12 @@ def fake(tmp_path: Path) -> tuple[Path, Path]:
     _port(ib, "rxe0", 1, {1: ("0000:0000:0000:0000:0000:ffff:c612:4e01", "RoCE v2", "wire0")})
     (rxe / "parent").write_text("wire0\n")
     (net / "wire0").mkdir(parents=True)
-    (net / "wire0" / "device").symlink_to(_pci_function(tmp_path, "0000:01:00.0",
-                                                        "2.5 GT/s PCIe", 1, -1))
+    # virtio-net, as in the lab: the netdev's device is a virtio device below
+    # the PCI function.
+    virtio = _pci_function(tmp_path, "0000:01:00.0", "2.5 GT/s PCIe", 1, -1) / "virtio3"
+    virtio.mkdir()
+    (virtio / "vendor").write_text("0x1af4\n")
+    (net / "wire0" / "device").symlink_to(virtio)
     # rxe1 on a veth: nothing under it.
     veth = _device(ib, "rxe1")
     _port(ib, "rxe1", 1, {1: ("0000:0000:0000:0000:0000:ffff:c612:4d01", "RoCE v2", "veth0")})

@@ -1,42 +1,21 @@
-"""perftest (ib_write_bw, ib_write_lat) between the lab nodes: the baseline.
+"""perftest (ib_write_bw, ib_write_lat) between the lab nodes, run from the host.
 
 The server runs on ``decode``, the client on ``prefill``, over rxe0 with the
-RoCE v2 GID (index 1 in the lab), so the figures are for the very link kvwire
-uses in the same run.
+RoCE v2 GID (index 1 in the lab). This checks the lab link itself; the
+baseline of an experiment is run by the daemons (``kvwired.perftest``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+
+from kvwired.perftest import BandwidthFigures, LatencyFigures, parse_bandwidth, parse_latency
 
 from .daemons import DECODE_ADDRESS
 from .machine import LabError, LabState, run_in
 
 GID_INDEX = "1"
-
-
-@dataclass(frozen=True)
-class BandwidthResult:
-    size: int
-    iterations: int
-    peak_mb_s: float
-    average_mb_s: float
-
-    @property
-    def gbps(self) -> float:
-        return self.average_mb_s * 8 / 1000
-
-
-@dataclass(frozen=True)
-class LatencyResult:
-    size: int
-    iterations: int
-    min_us: float
-    typical_us: float
-    p99_us: float
-    p999_us: float
 
 
 def run_pair(tool: str, args: list[str], state: LabState | None = None,
@@ -83,20 +62,12 @@ def _attempt(tool: str, args: list[str], state: LabState | None,
     return out, None
 
 
-def _row(output: str, size: int) -> list[str]:
-    for line in output.splitlines():
-        fields = line.split()
-        if fields and fields[0] == str(size):
-            return fields
-    raise LabError(f"no result row for {size} B in perftest's output:\n{output}")
+def write_bw(size: int, iterations: int, state: LabState | None = None) -> BandwidthFigures:
+    out = run_pair("ib_write_bw", ["-s", str(size), "-n", str(iterations), "--report_gbits"],
+                   state)
+    return parse_bandwidth(out, size)
 
 
-def write_bw(size: int, iterations: int, state: LabState | None = None) -> BandwidthResult:
-    row = _row(run_pair("ib_write_bw", ["-s", str(size), "-n", str(iterations)], state), size)
-    return BandwidthResult(size, int(row[1]), float(row[2]), float(row[3]))
-
-
-def write_lat(size: int, iterations: int, state: LabState | None = None) -> LatencyResult:
-    row = _row(run_pair("ib_write_lat", ["-s", str(size), "-n", str(iterations)], state), size)
-    return LatencyResult(size, int(row[1]), float(row[2]), float(row[4]), float(row[7]),
-                         float(row[8]))
+def write_lat(size: int, iterations: int, state: LabState | None = None) -> LatencyFigures:
+    return parse_latency(run_pair("ib_write_lat", ["-s", str(size), "-n", str(iterations)],
+                                  state), size)
