@@ -83,12 +83,13 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
                 tx.stop()
         finally:
             rx.stop()
+        # Before the lab goes down: its shared directory goes with it.
+        results.mkdir(parents=True, exist_ok=True)
+        for item in node_results.iterdir():
+            shutil.copy2(item, results / item.name)
     finally:
         if started_here:
             machine.down()
-    results.mkdir(parents=True, exist_ok=True)
-    for item in node_results.iterdir():
-        shutil.copy2(item, results / item.name)
     summary = _summary(results, time.monotonic() - began)
     (results / "summary.txt").write_text("\n\n".join(sections) + "\n\n" + summary + "\n")
     print("\n" + summary, file=out)
