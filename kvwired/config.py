@@ -56,6 +56,8 @@ class CommonConfig:
     heartbeat: float = _opt(
         1.0, "seconds between control-connection pings; 4 missed pings drop the peer"
     )
+    drain_timeout: float = _opt(
+        10.0, "on SIGTERM, seconds to let requests in flight finish before they are failed")
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
 
@@ -195,6 +197,8 @@ def _check(config: CommonConfig) -> None:
         )
     if config.log_format not in ("auto", "json", "console"):
         raise ConfigError(f"log_format {config.log_format!r}: use auto, json or console")
+    if config.drain_timeout < 0:
+        raise ConfigError("drain_timeout must not be negative")
     if config.heartbeat <= 0:
         raise ConfigError("heartbeat must be a positive number of seconds")
     parse_address(config.metrics, 0)

@@ -73,6 +73,8 @@ CONTROL: Schema = {
     "baseline_stop": {"req": STR},
     "ping": {},
     "pong": {},
+    # A clean goodbye: the daemon is shutting down (or the peer was removed).
+    "bye": {"reason": STR},
     "error": {"error": ERROR},
 }
 

@@ -29,6 +29,7 @@ from .errors import (
     PeerLost,
     ProtocolError,
     RequestAborted,
+    RequestRefused,
     RequestTooLarge,
     UsageError,
 )
@@ -41,6 +42,7 @@ from .rdma import pick_gid
 from .tasks import spawn
 from .transport import make_transport
 from .transport.base import Responder
+from .units import format_size
 
 log = structlog.get_logger("kvwired.receiver")
 
@@ -101,6 +103,7 @@ class ReceiverDaemon:
         self._servers: list[asyncio.AbstractServer] = []
         self.control_port = 0
         self.metrics_port = 0
+        self.draining = False
 
     # ----------------------------------------------------------- life cycle
 
@@ -133,10 +136,40 @@ class ReceiverDaemon:
             metrics_port=self.metrics_port,
         )
 
+    def status_line(self) -> str:
+        assert self.pool is not None
+        filling = sum(lease.state in ("filling", "landed") for lease in self.leases.values())
+        return (f"{'draining' if self.draining else 'ready'}: {len(self.sessions)} senders, "
+                f"{filling} requests arriving, {len(self.leases) - filling} held for decode, "
+                f"pool {format_size(self.pool.used_bytes)} of {format_size(self.pool.size)} used")
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new requests; let those arriving land within ``timeout``.
+
+        Delivered requests stay readable until the process exits. Returns how
+        many were still arriving when the time ran out.
+        """
+        self.draining = True
+        if self._servers:
+            self._servers[0].close()  # the control listener: no new senders
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+
+        def arriving() -> int:
+            return sum(lease.state in ("filling", "landed") for lease in self.leases.values())
+
+        while arriving() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if arriving():
+            log.warning("drain timed out", arriving=arriving(), timeout=timeout)
+        return arriving()
+
     async def stop(self) -> None:
         for server in self._servers:
             server.close()
         for session in list(self.sessions):
+            if session.alive:
+                session.conn.send(message("bye", reason="the receiver is shutting down"))
             self._drop_session(session, PeerLost("the receiver is shutting down"))
         await self.transport.stop()
         with contextlib.suppress(FileNotFoundError):
@@ -223,6 +256,8 @@ class ReceiverDaemon:
             if proc is not None:
                 # The server exits once its client is done; a hung one is killed.
                 asyncio.get_running_loop().call_later(5.0, perftest.kill, proc)
+        elif kind == "bye":
+            raise PeerLost(f"sender {session.name} said goodbye: {msg['reason']}")
         elif kind == "error":
             raise PeerLost(f"sender {session.name} reported: {msg['error'].get('message')}")
         else:
@@ -313,6 +348,10 @@ class ReceiverDaemon:
     async def _open(self, session: SenderSession, msg: Message) -> None:
         req = msg["req"]
         try:
+            if self.draining:
+                raise RequestRefused(
+                    f"the receiver is shutting down; request {req} was not accepted",
+                    hint="send it to another receiver, or once this one is back")
             shape = RequestShape.from_wire(msg["shape"])
             if shape.layers > immediate.MAX_LAYERS:
                 raise RequestTooLarge(

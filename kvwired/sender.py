@@ -30,6 +30,7 @@ from .errors import (
     PeerLost,
     ProtocolError,
     RequestAborted,
+    RequestRefused,
     UnknownPeer,
     UsageError,
     from_wire,
@@ -42,6 +43,7 @@ from .protocol import SENDER_LOCAL, Message, encode, message
 from .tasks import spawn
 from .transport import make_transport
 from .transport.base import DataChannel, Write
+from .units import format_size
 
 if TYPE_CHECKING:
     from .echo import EchoInitiator
@@ -213,6 +215,9 @@ class PeerLink:
         elif kind == "credits":
             self.credits += msg["n"]
             self._credit_freed.set()
+        elif kind == "bye":
+            raise PeerLost(f"receiver {self.name} is shutting down: {msg['reason']}",
+                           hint="the next request reconnects once it is back")
         elif kind == "error":
             raise PeerLost(f"receiver {self.name} reported: {msg['error'].get('message')}")
         else:
@@ -285,6 +290,11 @@ class PeerLink:
         if self.conn is not None:
             self.conn.send(msg)
 
+    def say_goodbye(self, reason: str) -> None:
+        """Tell the receiver this connection ends on purpose, then drop it."""
+        self.send(message("bye", reason=reason))
+        self.lost(PeerLost(f"connection to receiver {self.name} closed: {reason}"))
+
 
 class SenderDaemon:
     def __init__(self, config: SenderConfig) -> None:
@@ -296,6 +306,7 @@ class SenderDaemon:
         self.pushes: dict[str, Push] = {}
         self._servers: list[asyncio.AbstractServer] = []
         self.metrics_port = 0
+        self.draining = False
 
     async def start(self) -> None:
         cfg = self.config
@@ -310,11 +321,58 @@ class SenderDaemon:
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
                  chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
 
+    def status_line(self) -> str:
+        assert self.staging is not None
+        connected = sum(link.connected for link in self.links.values())
+        return (f"{'draining' if self.draining else 'ready'}: {connected}/{len(self.links)} "
+                f"receivers connected, {len(self.pushes)} pushes in flight, staging "
+                f"{format_size(self.staging.used_bytes)} of {format_size(self.staging.size)} used")
+
+    async def drain(self, timeout: float) -> int:
+        """Stop taking pushes; let those in flight finish within ``timeout``.
+
+        Returns how many were still in flight when the time ran out (they
+        fail when the daemon stops).
+        """
+        self.draining = True
+        for server in self._servers:
+            server.close()  # no new engines; connected ones may finish their pushes
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.pushes and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.pushes:
+            log.warning("drain timed out", in_flight=len(self.pushes), timeout=timeout)
+        return len(self.pushes)
+
+    def reload_peers(self, peers: dict[str, str]) -> dict[str, list[str]]:
+        """Apply a new peer list; links that stay untouched keep their connections."""
+        changes: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        for name, link in list(self.links.items()):
+            if peers.get(name) == link.address:
+                continue
+            changes["changed" if name in peers else "removed"].append(name)
+            del self.links[name]
+            spawn(self._retire(link), f"retire-{name}")
+        for name, address in peers.items():
+            if name not in self.links:
+                if name not in changes["changed"]:
+                    changes["added"].append(name)
+                self.links[name] = PeerLink(self, name, address)
+        self.config.peers = dict(peers)
+        log.info("peer list reloaded", **changes, peers=sorted(self.links))
+        return changes
+
+    async def _retire(self, link: PeerLink) -> None:
+        # Pushes already on this link finish; no new ones can reach it.
+        while link.pushes:
+            await asyncio.sleep(0.05)
+        link.say_goodbye("the peer was removed from the sender's configuration")
+
     async def stop(self) -> None:
         for server in self._servers:
             server.close()
         for link in self.links.values():
-            link.lost(PeerLost("the sender is shutting down"))
+            link.say_goodbye("the sender is shutting down")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket)
 
@@ -424,6 +482,9 @@ class SenderDaemon:
 
     async def _reserve(self, engine: Engine, msg: Message, opened_at: float) -> Push:
         req, peer = msg["req"], msg["peer"]
+        if self.draining:
+            raise RequestRefused(f"the sender is shutting down; request {req} was not opened",
+                                 hint="open it on another sender, or once this one is back")
         link = self.links.get(peer)
         if link is None:
             raise UnknownPeer(
