@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint unit demo demo-netns clean
+.PHONY: setup test lint unit demo demo-netns install clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,13 @@ demo: setup
 # The same path over TCP between two network namespaces (seconds, not minutes).
 demo-netns: setup
 	$(BIN)/kvctl demo netns
+
+# On a real node, as root: the daemons' venv in $(PREFIX), their units in
+# /etc/systemd/system, example configs in /etc/kvwire, the kvwire user.
+PREFIX ?= /opt/kvwire
+ROLE ?= both
+install:
+	PREFIX=$(PREFIX) scripts/install.sh $(ROLE)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
