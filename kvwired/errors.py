@@ -48,15 +48,21 @@ class VersionMismatch(ProtocolError):
 
 
 class TransportError(KvwireError):
-    """The data path failed: a write did not complete, a connection broke."""
+    """The data path failed: a write did not complete, a connection broke.
+
+    ``status`` names the failure for metrics (``retry_exceeded``,
+    ``remote_access``, ``connection_lost``, ...).
+    """
 
     code = "transport"
+    status = "transport_error"
 
 
 class PeerLost(TransportError):
     """The other daemon went away while work was in flight."""
 
     code = "peer_lost"
+    status = "connection_lost"
 
 
 class UnknownPeer(KvwireError):

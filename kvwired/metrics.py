@@ -2,12 +2,33 @@
 
 Names follow Prometheus conventions: ``kvwire_`` prefix, base units
 (seconds, bytes), ``_total`` for counters, labels of low cardinality (peer
-names, outcomes; never request ids).
+names, outcomes, opcodes, completion statuses; never request ids). The
+README's metrics table lists every one.
+
+Values the daemon already keeps (credits, writes in flight, connection
+state) are read at scrape time through ``LiveCollector`` rather than
+mirrored on every change; the write-size histogram counts a whole batch of
+equal writes in one step, because observing 98,304 writes of a 512 B push
+one by one would cost more than posting them.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+import bisect
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    ProcessCollector,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from . import __version__
 from .errors import ConfigError
@@ -19,7 +40,62 @@ DURATION_BUCKETS = (
     1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+# Write sizes: 512 B (a token of a layer) to 64 MiB, powers of four, with the
+# reference granularities (12 KiB a token, 2 MiB a layer, 48 MiB whole) on edges.
+SIZE_BUCKETS = (512.0, 2048.0, 8192.0, 12288.0, 65536.0, 262144.0, 1048576.0, 2097152.0,
+                8388608.0, 50331648.0, 67108864.0)
 
+LiveSamples = Callable[[], Iterable[tuple[str, str, list[str], list[str], float]]]
+
+
+@dataclass
+class BatchHistogram:
+    """A histogram that takes ``count`` equal observations at once."""
+
+    name: str
+    documentation: str
+    buckets: tuple[float, ...]
+    counts: dict[str, list[int]] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, peer: str, value: float, count: int = 1) -> None:
+        counts = self.counts.setdefault(peer, [0] * (len(self.buckets) + 1))
+        counts[bisect.bisect_left(self.buckets, value)] += count
+        self.sums[peer] = self.sums.get(peer, 0.0) + value * count
+
+    def metric(self) -> Metric:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["peer"])
+        for peer, counts in self.counts.items():
+            cumulative, running = [], 0
+            for bound, n in zip((*self.buckets, float("inf")), counts, strict=True):
+                running += n
+                cumulative.append((_bound(bound), running))
+            family.add_metric([peer], cumulative, self.sums[peer])
+        return family
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(value)
+
+
+class LiveCollector(Collector):
+    """Gauges read from the daemon's own state at scrape time, and batch histograms."""
+
+    def __init__(self) -> None:
+        self.sources: list[LiveSamples] = []
+        self.histograms: list[BatchHistogram] = []
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, GaugeMetricFamily] = {}
+        for source in self.sources:
+            for name, doc, label_names, label_values, value in source():
+                family = families.get(name)
+                if family is None:
+                    family = families[name] = GaugeMetricFamily(name, doc, labels=label_names)
+                family.add_metric(label_values, value)
+        yield from families.values()
+        for histogram in self.histograms:
+            yield histogram.metric()
 
 class Metrics:
     def __init__(self, role: str) -> None:
@@ -28,14 +104,42 @@ class Metrics:
         Info("kvwire_build", "kvwire release and daemon role", registry=r).info(
             {"version": __version__, "role": role}
         )
+        ProcessCollector(registry=r)  # process_start_time_seconds shows restarts
         self.bytes = Counter(
             "kvwire_data_bytes_total", "payload bytes moved by one-sided writes",
             ["peer", "direction"], registry=r,
         )
         self.writes = Counter(
-            "kvwire_data_writes_total", "one-sided writes posted or received",
-            ["peer", "direction"], registry=r,
+            "kvwire_data_writes_total",
+            "one-sided writes posted or received, by opcode (write, write_imm)",
+            ["peer", "direction", "opcode"], registry=r,
         )
+        self.post_seconds = Histogram(
+            "kvwire_request_post_seconds",
+            "time a request spent cutting and posting its writes (sender)",
+            ["peer"], buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.wait_seconds = Histogram(
+            "kvwire_request_wait_seconds",
+            "from the last commit until every write is placed and confirmed (sender)",
+            ["peer"], buckets=DURATION_BUCKETS, registry=r,
+        )
+        self.completion_errors = Counter(
+            "kvwire_completion_errors_total",
+            "data-path failures by status (retry_exceeded, rnr_retry_exceeded, "
+            "remote_access, connection_lost, ...)",
+            ["peer", "status"], registry=r,
+        )
+        self.reconnects = Counter(
+            "kvwire_reconnects_total",
+            "control and data connections to a receiver rebuilt after the first",
+            ["peer"], registry=r,
+        )
+        self.live = LiveCollector()
+        self.write_sizes = BatchHistogram(
+            "kvwire_write_size_bytes", "sizes of the one-sided writes posted", SIZE_BUCKETS)
+        self.live.histograms.append(self.write_sizes)
+        r.register(self.live)
         self.requests = Counter(
             "kvwire_requests_total", "requests finished, by outcome",
             ["peer", "outcome"], registry=r,

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -92,6 +93,7 @@ class ReceiverDaemon:
     def __init__(self, config: ReceiverConfig) -> None:
         self.config = config
         self.metrics = Metrics("receiver")
+        self.metrics.live.sources.append(self._live_metrics)
         self.pool: Pool | None = None
         self.transport = make_transport(config)
         self.leases: dict[int, Lease] = {}
@@ -135,6 +137,20 @@ class ReceiverDaemon:
             pool_bytes=cfg.pool_size,
             metrics_port=self.metrics_port,
         )
+
+    def _live_metrics(self) -> Iterator[tuple[str, str, list[str], list[str], float]]:
+        for session in list(self.sessions):
+            posted = session.responder.receives_posted if session.responder else 0
+            yield ("kvwire_receives_posted", "receives posted for a sender's immediates "
+                   "(verbs; 0 over tcp)", ["peer"], [session.name], float(posted))
+            yield ("kvwire_peer_up", "1 while the sender's connections are up", ["peer"],
+                   [session.name], 1.0)
+        yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
+               ["arriving"], float(sum(lease.state in ("filling", "landed")
+                                       for lease in self.leases.values())))
+        yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
+               ["delivered"], float(sum(lease.state == "complete"
+                                        for lease in self.leases.values())))
 
     def status_line(self) -> str:
         assert self.pool is not None
@@ -428,7 +444,9 @@ class ReceiverDaemon:
             return
         writes = responder.writes_received - session.writes_counted
         session.writes_counted += writes
-        self.metrics.writes.labels(session.name, "received").inc(writes)
+        self.metrics.writes.labels(session.name, "received", "write_imm").inc()
+        if writes > 1:
+            self.metrics.writes.labels(session.name, "received", "write").inc(writes - 1)
 
     def _return_credit(self, session: SenderSession) -> None:
         # Credits go back in one message per loop turn, not one per immediate.
@@ -471,6 +489,9 @@ class ReceiverDaemon:
 
     def _on_data_error(self, session: SenderSession, exc: Exception) -> None:
         log.warning("data path failed", sender=session.name, error=str(exc))
+        if session.alive:
+            self.metrics.completion_errors.labels(
+                session.name, getattr(exc, "status", "transport_error")).inc()
         session.conn.close()  # ends the session loop, which drops the session
 
     # --------------------------------------------------- lease bookkeeping

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -120,6 +120,7 @@ class PeerLink:
         self._waiting: dict[str, asyncio.Future[Message]] = {}
         self.pushes: dict[int, Push] = {}
         self.echoes: dict[int, EchoInitiator] = {}
+        self.ever_connected = False
         self._reader: asyncio.Task[None] | None = None
 
     @property
@@ -157,6 +158,7 @@ class PeerLink:
                 conn.send(message("connect", params=await initiator.offer()))
                 ready = await self._expect(conn, "ready")
                 self.channel = await initiator.complete(ready["params"])
+                self.channel.on_failure = self._count_failure
             except BaseException:
                 initiator.abandon()
                 raise
@@ -165,11 +167,18 @@ class PeerLink:
             raise
         self.conn = conn
         self.credits = int(welcome["credits"])
+        if self.ever_connected:
+            self.daemon.metrics.reconnects.labels(self.name).inc()
+        self.ever_connected = True
         conn.start_pinging()
         self._reader = spawn(self._read(conn), f"link-{self.name}")
         self.daemon.metrics.peers.inc()
         log.info("connected to receiver", peer=self.name, address=self.address,
                  transport=transport.name, credits=self.credits)
+
+    def _count_failure(self, error: Exception) -> None:
+        status = getattr(error, "status", "transport_error")
+        self.daemon.metrics.completion_errors.labels(self.name, status).inc()
 
     async def _expect(self, conn: ControlConnection, kind: str) -> Message:
         msg = await conn.recv(self.daemon.config.connect_timeout)
@@ -300,6 +309,7 @@ class SenderDaemon:
     def __init__(self, config: SenderConfig) -> None:
         self.config = config
         self.metrics = Metrics("sender")
+        self.metrics.live.sources.append(self._live_metrics)
         self.staging: Pool | None = None
         self.transport = make_transport(config)
         self.links = {name: PeerLink(self, name, addr) for name, addr in config.peers.items()}
@@ -320,6 +330,16 @@ class SenderDaemon:
         log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
                  chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
+
+    def _live_metrics(self) -> Iterator[tuple[str, str, list[str], list[str], float]]:
+        for name, link in list(self.links.items()):
+            channel = link.channel
+            yield ("kvwire_peer_up", "1 while the control and data connections to the "
+                   "receiver are up", ["peer"], [name], float(link.connected))
+            yield ("kvwire_credits", "immediates the receiver will still take (its free "
+                   "receives)", ["peer"], [name], float(link.credits if link.connected else 0))
+            yield ("kvwire_writes_in_flight", "writes posted and not yet placed remotely",
+                   ["peer"], [name], float(channel.pending_writes if channel else 0))
 
     def status_line(self) -> str:
         assert self.staging is not None
@@ -523,7 +543,9 @@ class SenderDaemon:
         link = push.link
         cursor = ChunkCursor(push.shape, push.chunk_bytes)
         peer_bytes = self.metrics.bytes.labels(link.name, "sent")
-        peer_writes = self.metrics.writes.labels(link.name, "sent")
+        plain_writes = self.metrics.writes.labels(link.name, "sent", "write")
+        imm_writes = self.metrics.writes.labels(link.name, "sent", "write_imm")
+        sizes = self.metrics.write_sizes
         try:
             async with asyncio.timeout_at(self._loop_deadline(push)):
                 while not cursor.done:
@@ -545,8 +567,13 @@ class SenderDaemon:
                     push.posts.append(posted)
                     push.post_seconds += time.perf_counter() - started
                     push.writes += len(writes)
-                    peer_writes.inc(len(writes))
+                    plain_writes.inc(len(writes) - 1)
+                    imm_writes.inc()
                     peer_bytes.inc(sum(c.length for c in batch.chunks))
+                    # Chunks of a batch are one size but for a layer's tail.
+                    first, last = batch.chunks[0].length, batch.chunks[-1].length
+                    sizes.observe(link.name, first, len(batch.chunks) - 1)
+                    sizes.observe(link.name, last)
                     # Let the data path start on this layer before the next
                     # committed one is cut into writes.
                     await asyncio.sleep(0)
@@ -608,8 +635,11 @@ class SenderDaemon:
             "writes": push.writes,
         }
         self._forget(push)
-        self.metrics.requests.labels(push.link.name, "delivered").inc()
-        self.metrics.request_seconds.labels(push.link.name).observe(timings["total_seconds"])
+        peer = push.link.name
+        self.metrics.requests.labels(peer, "delivered").inc()
+        self.metrics.request_seconds.labels(peer).observe(timings["total_seconds"])
+        self.metrics.post_seconds.labels(peer).observe(timings["post_seconds"])
+        self.metrics.wait_seconds.labels(peer).observe(timings["drain_seconds"])
         push.engine.send(message("finished", req=push.req, checksum=checksum, timings=timings))
 
     def fail_push(self, push: Push, error: KvwireError) -> None:

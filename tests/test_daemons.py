@@ -256,12 +256,17 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
 
     def value(daemon: LocalDaemons, side: str, name: str, *labels: str) -> float:
         metrics = getattr(daemon, side).metrics
+        names = {"kvwire_data_writes_total": ["peer", "direction", "opcode"],
+                 "kvwire_data_bytes_total": ["peer", "direction"]}.get(name, ["peer", "outcome"])
         return float(metrics.registry.get_sample_value(name, dict(zip(
-            ["peer", "direction"] if "data" in name else ["peer", "outcome"], labels,
-            strict=True))) or 0)
+            names, labels, strict=True))) or 0)
 
-    assert value(local, "sender", "kvwire_data_writes_total", "decode", "sent") == 48
-    assert value(local, "receiver", "kvwire_data_writes_total", "prefill", "received") == 48
+    # 48 writes of 64 KiB, the last with the immediate; over TCP the receiver sees all.
+    for side, peer, direction in (("sender", "decode", "sent"),
+                                  ("receiver", "prefill", "received")):
+        assert value(local, side, "kvwire_data_writes_total", peer, direction, "write") == 47
+        assert value(local, side, "kvwire_data_writes_total", peer, direction,
+                     "write_imm") == 1
     assert value(local, "sender", "kvwire_data_bytes_total", "decode", "sent") == 3 << 20
     assert value(local, "receiver", "kvwire_data_bytes_total", "prefill", "received") == 3 << 20
     assert value(local, "sender", "kvwire_requests_total", "decode", "delivered") == 1
@@ -272,6 +277,25 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
     assert registry.get_sample_value("kvwire_pool_bytes",
                                      {"pool": "receive", "state": "used"}) == 3 << 20
     assert registry.get_sample_value("kvwire_peers_connected") == 1
+    assert registry.get_sample_value("kvwire_peer_up", {"peer": "prefill"}) == 1
+    assert registry.get_sample_value("kvwire_leases", {"state": "delivered"}) == 1
+    assert registry.get_sample_value("kvwire_receives_posted", {"peer": "prefill"}) == 0
+    assert registry.get_sample_value("process_start_time_seconds") is not None
+
+    sender = local.sender.metrics.registry
+    at_decode = {"peer": "decode"}
+    assert sender.get_sample_value("kvwire_write_size_bytes_count", at_decode) == 48
+    assert sender.get_sample_value("kvwire_write_size_bytes_sum", at_decode) == 3 << 20
+    assert sender.get_sample_value("kvwire_write_size_bytes_bucket",
+                                   {**at_decode, "le": "12288.0"}) == 0
+    assert sender.get_sample_value("kvwire_write_size_bytes_bucket",
+                                   {**at_decode, "le": "65536.0"}) == 48
+    assert sender.get_sample_value("kvwire_request_post_seconds_count", at_decode) == 1
+    assert sender.get_sample_value("kvwire_request_wait_seconds_count", at_decode) == 1
+    assert sender.get_sample_value("kvwire_peer_up", at_decode) == 1
+    assert sender.get_sample_value("kvwire_credits", at_decode) == 64
+    assert sender.get_sample_value("kvwire_writes_in_flight", at_decode) == 0
+    assert sender.get_sample_value("kvwire_reconnects_total", at_decode) is None  # first connect
 
 
 async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: Path) -> None:

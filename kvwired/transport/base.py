@@ -57,6 +57,19 @@ class RemoteRegion:
 class DataChannel(ABC):
     """The initiator's end of a connection: posts writes in order."""
 
+    # Told once, when the channel fails (not when it is closed on purpose).
+    on_failure: ErrorHandler | None = None
+
+    def report_failure(self, error: Exception) -> None:
+        if self.on_failure is not None:
+            handler, self.on_failure = self.on_failure, None
+            handler(error)
+
+    @property
+    def pending_writes(self) -> int:
+        """Writes posted and not yet known to be placed (queued ones included)."""
+        return 0
+
     @abstractmethod
     def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
         """Queue ``writes`` in order; the last carries ``imm`` if given.
@@ -83,6 +96,11 @@ class Responder(ABC):
     """
 
     writes_received: int = 0
+
+    @property
+    def receives_posted(self) -> int:
+        """Receives waiting for immediates (verbs); a stream needs none."""
+        return 0
 
     @abstractmethod
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:

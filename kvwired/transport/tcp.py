@@ -244,6 +244,8 @@ class TcpDataChannel(DataChannel):
         self._transport: asyncio.Transport | None = None
         self._queue: deque[tuple[Sequence[Write], int | None, asyncio.Future[None]]] = deque()
         self._inflight: dict[int, asyncio.Future[None]] = {}
+        self._pending = 0  # writes posted and not yet acknowledged
+        self._writes_of: dict[int, int] = {}
         self._next_wr_id = 1
         self._error: TransportError | None = None
         self.writable = asyncio.Event()
@@ -274,8 +276,13 @@ class TcpDataChannel(DataChannel):
             future.set_exception(self._error)
         else:
             self._queue.append((writes, imm, future))
+            self._pending += len(writes)
             self._wakeup.set()
         return future
+
+    @property
+    def pending_writes(self) -> int:
+        return self._pending
 
     async def _run_pump(self) -> None:
         # One pump keeps posts in order on the wire even while the socket
@@ -302,6 +309,7 @@ class TcpDataChannel(DataChannel):
         wr_id = self._next_wr_id
         self._next_wr_id += 1
         self._inflight[wr_id] = future
+        self._writes_of[wr_id] = len(writes)
         for i, w in enumerate(writes):
             if i == last:
                 flags = FLAG_SIGNALED | (FLAG_IMM if imm is not None else 0)
@@ -314,14 +322,18 @@ class TcpDataChannel(DataChannel):
         return frames
 
     def completed(self, wr_id: int) -> None:
+        self._pending -= self._writes_of.pop(wr_id, 0)
         future = self._inflight.pop(wr_id, None)
         if future is not None and not future.done():
             future.set_result(None)
 
-    def fail(self, exc: TransportError) -> None:
+    def fail(self, exc: TransportError, quiet: bool = False) -> None:
         if self._error is not None:
             return
         self._error = exc
+        self._pending = 0
+        if not quiet:
+            self.report_failure(exc)
         self.writable.set()
         self._wakeup.set()
         pending = list(self._inflight.values()) + [f for _, _, f in self._queue]
@@ -334,7 +346,7 @@ class TcpDataChannel(DataChannel):
             self._transport.abort()
 
     def close(self) -> None:
-        self.fail(TransportError("data channel closed"))
+        self.fail(TransportError("data channel closed"), quiet=True)
 
 
 class TcpInitiator(Initiator):

@@ -101,11 +101,27 @@ def _infiniband_event_fds() -> set[int]:
     return found
 
 
+STATUS_NAMES = {
+    e.IBV_WC_RETRY_EXC_ERR: "retry_exceeded",
+    e.IBV_WC_RNR_RETRY_EXC_ERR: "rnr_retry_exceeded",
+    e.IBV_WC_REM_ACCESS_ERR: "remote_access",
+    e.IBV_WC_REM_OP_ERR: "remote_operation",
+    e.IBV_WC_REM_INV_REQ_ERR: "remote_invalid_request",
+    e.IBV_WC_LOC_PROT_ERR: "local_protection",
+    e.IBV_WC_LOC_LEN_ERR: "local_length",
+    e.IBV_WC_LOC_QP_OP_ERR: "local_qp_operation",
+    e.IBV_WC_WR_FLUSH_ERR: "flushed",
+    e.IBV_WC_GENERAL_ERR: "general",
+}
+
+
 def completion_error(status: int, qp_num: int, what: str) -> TransportError:
     text = cqe_status_to_str(status)
-    return TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
-                          hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
-                                         "the next request"))
+    error = TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
+                           hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
+                                          "the next request"))
+    error.status = STATUS_NAMES.get(status, f"status_{status}")
+    return error
 
 
 class _Device:
@@ -391,6 +407,10 @@ class VerbsDataChannel(DataChannel):
         self._qp.cq.kick()
         return future
 
+    @property
+    def pending_writes(self) -> int:
+        return self._outstanding + sum(len(p.writes) - p.next for p in self._queue)
+
     def _split(self, writes: Sequence[Write]) -> Sequence[Write]:
         # A message may not exceed the port's max_msg_sz (8 MiB on rxe).
         if all(w.length <= self._max_message for w in writes):
@@ -467,6 +487,7 @@ class VerbsDataChannel(DataChannel):
         self._error = error
         if not quiet:
             log.warning("verbs data channel failed", error=str(error))
+            self.report_failure(error)
         pending = [s.future for s in self._signals if s.future is not None]
         pending += [p.future for p in self._queue]
         self._signals.clear()
@@ -544,6 +565,11 @@ class VerbsResponder(Responder):
             raise
         return {**qp.endpoint.to_wire(), "rkey": qp.device.mr.rkey, "addr": qp.device.base,
                 "size": self._owner.memory_size}
+
+    @property
+    def receives_posted(self) -> int:
+        # Every consumed receive is re-posted before its immediate is handled.
+        return 0 if self._closed or self._qp is None else self._depth
 
     def _on_completions(self, completions: list[Any]) -> None:
         assert self._qp is not None
