@@ -171,6 +171,11 @@ class Metrics:
             registry=r,
         )
 
+    def peer_seen(self, peer: str) -> None:
+        """Create a peer's request series at zero, so the first failure is an increase."""
+        for outcome in ("delivered", "failed", "refused", "aborted"):
+            self.requests.labels(peer, outcome)
+
     def set_pool(self, pool: str, size: int, used: int) -> None:
         self.pool_bytes.labels(pool, "used").set(used)
         self.pool_bytes.labels(pool, "free").set(size - used)

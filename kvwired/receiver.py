@@ -200,6 +200,7 @@ class ReceiverDaemon:
         session = SenderSession(conn)
         try:
             await self._handshake(session)
+            self.metrics.peer_seen(session.name)
             self.sessions.add(session)
             self.metrics.peers.set(len(self.sessions))
             conn.start_pinging()

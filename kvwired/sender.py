@@ -121,12 +121,37 @@ class PeerLink:
         self.pushes: dict[int, Push] = {}
         self.echoes: dict[int, EchoInitiator] = {}
         self.ever_connected = False
+        self.retired = False
+        # Series that exist from the start, so rates and alerts see zeros.
+        metrics = daemon.metrics
+        metrics.reconnects.labels(name)
+        metrics.peer_seen(name)
+        for status in ("connection_lost", "retry_exceeded", "rnr_retry_exceeded",
+                       "remote_access"):
+            metrics.completion_errors.labels(name, status)
         self._reader: asyncio.Task[None] | None = None
 
     @property
     def connected(self) -> bool:
         return (self.conn is not None and not self.conn.closed
                 and self.channel is not None and self.channel.alive)
+
+    async def keep_connected(self) -> None:
+        """Hold the connection up between requests, so a receiver that is down
+        shows (``kvwire_peer_up`` 0) before a request needs it, and the first
+        request pays no connection setup. Retries back off to 30 s."""
+        backoff = 1.0
+        while not self.retired:
+            if self.connected:
+                backoff = 1.0
+            else:
+                try:
+                    await self.ensure()
+                    continue
+                except KvwireError as exc:
+                    log.debug("receiver not reachable yet", peer=self.name, error=str(exc))
+                    backoff = min(backoff * 2, 30.0)
+            await asyncio.sleep(1.0 if self.connected else backoff)
 
     async def ensure(self) -> None:
         async with self._lock:
@@ -301,6 +326,7 @@ class PeerLink:
 
     def say_goodbye(self, reason: str) -> None:
         """Tell the receiver this connection ends on purpose, then drop it."""
+        self.retired = True
         self.send(message("bye", reason=reason))
         self.lost(PeerLost(f"connection to receiver {self.name} closed: {reason}"))
 
@@ -326,6 +352,8 @@ class SenderDaemon:
         self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
         # The unix socket comes last: once it accepts, the daemon is ready.
         self._servers.append(await serve_unix(cfg.socket, self._serve_engine))
+        for link in self.links.values():
+            spawn(link.keep_connected(), f"link-{link.name}")
         self._update_pool_metrics()
         log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
@@ -372,12 +400,14 @@ class SenderDaemon:
                 continue
             changes["changed" if name in peers else "removed"].append(name)
             del self.links[name]
+            link.retired = True
             spawn(self._retire(link), f"retire-{name}")
         for name, address in peers.items():
             if name not in self.links:
                 if name not in changes["changed"]:
                     changes["added"].append(name)
                 self.links[name] = PeerLink(self, name, address)
+                spawn(self.links[name].keep_connected(), f"link-{name}")
         self.config.peers = dict(peers)
         log.info("peer list reloaded", **changes, peers=sorted(self.links))
         return changes

@@ -3,11 +3,12 @@
 # python3-venv: the venv; iproute2: the two-namespace harness and `rdma`;
 # rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes;
 # qemu-system-x86, linux-image-amd64 (ships rdma_rxe), busybox-static,
-# perftest: the two-node Soft-RoCE lab and its baseline.
+# perftest: the two-node Soft-RoCE lab and its baseline; systemd: the units
+# (systemd-analyze); prometheus: the real server the metrics tests scrape with.
 set -euo pipefail
 
 packages=(python3 python3-venv python3-pip iproute2 rdma-core ibverbs-utils python3-pyverbs
-          qemu-system-x86 linux-image-amd64 busybox-static perftest)
+          qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -295,7 +295,9 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
     assert sender.get_sample_value("kvwire_peer_up", at_decode) == 1
     assert sender.get_sample_value("kvwire_credits", at_decode) == 64
     assert sender.get_sample_value("kvwire_writes_in_flight", at_decode) == 0
-    assert sender.get_sample_value("kvwire_reconnects_total", at_decode) is None  # first connect
+    assert sender.get_sample_value("kvwire_reconnects_total", at_decode) == 0  # first connect
+    assert sender.get_sample_value("kvwire_completion_errors_total",
+                                   {**at_decode, "status": "retry_exceeded"}) == 0
 
 
 async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: Path) -> None:
