@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "receiver's and sender's")
     status.add_argument("--json", action="store_true")
 
+    metrics = commands.add_parser("metrics", help="key figures of both daemons per peer "
+                                  "(rates, latency quantiles, credits, errors); --watch: live")
+    metrics.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
+                         help="metrics endpoints; default: the local receiver and sender")
+    metrics.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
+    metrics.add_argument("--interval", type=float, default=2.0,
+                         help="seconds between scrapes (rates are over this interval)")
+    metrics.add_argument("--json", action="store_true")
+
     from .lab.cli import add_parser as add_lab_parser
     from .run.cli import add_parsers as add_run_parsers
 
@@ -99,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args)
         if args.command == "consume":
             return asyncio.run(_consume(args))
+        if args.command == "metrics":
+            return _metrics(args)
         if args.command == "run":
             from .run.cli import run_main
 
@@ -204,6 +215,22 @@ def _chunk(spec: str | None, layout: KVLayout | None) -> str | int | None:
     from kvwired.layout import resolve_chunk_bytes
 
     return resolve_chunk_bytes(spec, layout)
+
+
+def _metrics(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from . import metrics
+
+    if args.watch:
+        metrics.watch(args.urls, args.interval)
+        return 0
+    statuses, _, rows = metrics.collect(args.urls, args.interval)
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    else:
+        print(metrics.render(rows))
+    return 0 if all(s.up for s in statuses) else 1
 
 
 def _status(args: argparse.Namespace) -> int:
