@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ..netns import write_toml
@@ -125,3 +126,70 @@ class NodeDaemon:
             return self.log_path.read_text()
         return ""
 
+
+
+class ServiceDaemon:
+    """``kvwired-<role>.service`` in a lab node, run by the node's systemd from
+    the shipped unit, installed the way an operator would (``make install``,
+    here with the checkout's venv as PREFIX)."""
+
+    def __init__(self, node: str, role: str, config: dict[str, Any],
+                 state: LabState | None = None) -> None:
+        self.node, self.role = node, role
+        self.config = {**config, "socket": f"/run/kvwire/{role}.sock"}
+        self.name = str(config["name"])
+        self.socket = str(self.config["socket"])
+        self.unit = f"kvwired-{role}.service"
+        self.state = state
+        self.config_path = SHARED_DIR / "daemons" / f"{self.name}.service.toml"
+
+    def _sh(self, script: str) -> tuple[int, str, str]:
+        return run_in(self.node, ["sh", "-c", script], state=self.state)
+
+    def install(self) -> None:
+        prefix = str(Path(sys.executable).parent.parent)
+        code, out, err = self._sh(f"PREFIX={prefix} scripts/install.sh {self.role}")
+        if code != 0:
+            raise LabError(f"make install failed in {self.node}: {out}{err}")
+
+    def start(self) -> ServiceDaemon:
+        """Install, configure, ``systemctl restart``: returns once READY=1 came."""
+        self.install()
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        write_toml(self.config_path, self.config)
+        code, out, err = self._sh(
+            f"install -m 0644 {self.config_path} /etc/kvwire/{self.role}.toml && "
+            f"systemctl reset-failed {self.unit} 2>/dev/null; systemctl restart {self.unit}")
+        if code != 0:
+            raise LabError(f"systemctl restart {self.unit} failed in {self.node}: {out}{err}\n"
+                           f"{self.log_tail()}")
+        return self
+
+    def show(self, *properties: str) -> dict[str, str]:
+        _, out, _ = self._sh(f"systemctl show {self.unit} "
+                                + " ".join(f"-p {p}" for p in properties))
+        pairs = (line.split("=", 1) for line in out.splitlines() if "=" in line)
+        return {key: value for key, value in pairs}
+
+    @property
+    def pid(self) -> int:
+        return int(self.show("MainPID")["MainPID"])
+
+    @property
+    def running(self) -> bool:
+        return self._sh(f"systemctl is-active --quiet {self.unit}")[0] == 0
+
+    def signal(self, name: str) -> None:
+        self._sh(f"systemctl kill --kill-whom=main -s {name} {self.unit}")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """``systemctl stop``; the main process's exit status."""
+        self._sh(f"systemctl stop {self.unit}")
+        status = self.show("ExecMainStatus").get("ExecMainStatus", "")
+        return int(status) if status.isdigit() else None
+
+    def log_tail(self, lines: int = 30) -> str:
+        return self._sh(f"journalctl -u {self.unit} -n {lines} --no-pager -o cat")[1]
+
+    def log_text(self) -> str:
+        return self._sh(f"journalctl -u {self.unit} --no-pager -o cat")[1]

@@ -1,8 +1,9 @@
 """``kvctl demo lab`` (``make demo``): the experiments between two Soft-RoCE nodes.
 
-Boots the lab (unless one is up), starts a receiver on ``decode`` and a
-sender on ``prefill`` (verbs over rxe0), then on the prefill node, as a user
-would there: ``kvctl probe``, ``kvctl run chunk-sweep --baseline perftest``
+Boots the lab (unless one is up), installs and starts
+``kvwired-receiver.service`` on ``decode`` and ``kvwired-sender.service`` on
+``prefill`` under the nodes' systemd (verbs over rxe0), then on the prefill
+node, as a user would there: ``kvctl probe``, ``kvctl run chunk-sweep --baseline perftest``
 and ``kvctl run overlap``. The figures, CSV/JSON and plots land in
 ``results/`` on the host, with a summary; the lab goes down again if the
 demo booted it.
@@ -23,7 +24,7 @@ from typing import TextIO
 from kvwired.units import format_size
 
 from . import machine
-from .daemons import DECODE_ADDRESS, NodeDaemon, receiver_config, sender_config
+from .daemons import DECODE_ADDRESS, ServiceDaemon, receiver_config, sender_config
 from .machine import SHARED_DIR, LabError, LabState, run_in
 
 SWEEP_ARGS = ("--iters", "300", "--latency-bytes", "32MiB", "--stream-bytes", "32MiB",
@@ -64,10 +65,11 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
     node_results.mkdir(parents=True)
     sections = []
     try:
-        rx = NodeDaemon("decode", "receiver", receiver_config(), state)
-        tx = NodeDaemon("prefill", "sender", sender_config(), state)
-        print("starting kvwired receiver (decode) and sender (prefill) over verbs ...",
-              file=out, flush=True)
+        # As on real nodes: make install, then systemd runs the shipped units.
+        rx = ServiceDaemon("decode", "receiver", receiver_config(), state)
+        tx = ServiceDaemon("prefill", "sender", sender_config(), state)
+        print("starting kvwired-receiver.service (decode) and kvwired-sender.service "
+              "(prefill) under systemd, over verbs ...", file=out, flush=True)
         rx.start()
         try:
             tx.start()

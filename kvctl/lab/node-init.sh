@@ -1,9 +1,9 @@
 #!/bin/bash
 # Second stage of a lab node, run as PID 1 on the overlay of the host's root.
 # Brings up the node's own /proc, /sys, /run and /tmp, its Ethernet wire with
-# a Soft-RoCE device bound to it, and its management NIC; then runs the
-# agent that `kvctl lab exec` talks to. Parameters come on the kernel
-# command line as kvwire.KEY=VALUE.
+# a Soft-RoCE device bound to it, and its management NIC; then hands PID 1
+# to systemd, which runs the agent that `kvctl lab exec` talks to.
+# Parameters come on the kernel command line as kvwire.KEY=VALUE.
 set -u
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 exec </dev/null >/dev/console 2>&1
@@ -53,10 +53,39 @@ ip link set "$mgmt" up
 ip route add default via "$(param gateway)" dev "$mgmt" 2>/dev/null
 rdma link add rxe0 type rxe netdev "$wire" || die "rdma link add rxe0"
 
-ulimit -l unlimited
-cd "$(param checkout)" || die "checkout $(param checkout) not visible in the node"
+checkout=$(param checkout)
+[ -d "$checkout" ] || die "checkout $checkout not visible in the node"
 say "node $node up: wire $wire $(param wire), rxe0 on $wire"
-"$(param python)" -m kvctl.lab.agent --port "$(param agentport)" --node "$node" &
-# PID 1 stays bash: it reaps every orphan (daemons started in the background
-# by `kvctl lab exec` outlive their shell), which a Python PID 1 would not.
-while :; do sleep 3600 & wait $!; done
+
+# systemd becomes PID 1, as on a real node: it runs the agent that
+# `kvctl lab exec` talks to, and kvwired's own units once `make install`
+# has put them in place. The node's /etc is its own (the overlay): the
+# host's fstab and enabled services are not this node's business.
+: > /etc/fstab
+mkdir -p /etc/systemd/system
+# tmpfiles would walk /tmp and /var of the host's whole tree over 9p (40 s
+# under emulation) for nothing: the node's /run is fresh, its /tmp a layer.
+ln -sf /dev/null /etc/systemd/system/systemd-tmpfiles-setup.service
+ln -sf /dev/null /etc/systemd/system/systemd-tmpfiles-clean.timer
+cat > /etc/systemd/system/kvwire-lab-agent.service <<EOF
+[Unit]
+Description=kvwire lab agent (kvctl lab exec)
+DefaultDependencies=no
+
+[Service]
+ExecStart=$(param python) -m kvctl.lab.agent --port $(param agentport) --node $node
+WorkingDirectory=$checkout
+Environment=PATH=$PATH
+# Commands run through the agent get what a root shell in the lab had.
+LimitMEMLOCK=infinity
+# Daemons a command leaves running outlive an agent restart.
+KillMode=process
+StandardOutput=journal+console
+EOF
+cat > /etc/systemd/system/kvwire-lab.target <<EOF
+[Unit]
+Description=kvwire lab node: the agent, and whatever it starts
+Wants=kvwire-lab-agent.service
+AllowIsolate=yes
+EOF
+exec /lib/systemd/systemd --system --unit=kvwire-lab.target
