@@ -183,8 +183,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: str,
-                  checkout: str, first: bool) -> list[str]:
+                  checkout: str, wire_ports: tuple[int, int]) -> list[str]:
     stage2 = Path(__file__).with_name("node-init.sh")
     append = " ".join([
         "console=ttyS0", "panic=-1", "quiet", "loglevel=4",
@@ -197,7 +203,7 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
     ])
     forwards = ",".join(f"hostfwd=tcp:127.0.0.1:{ports[name]}-:{guest}"
                         for name, guest in FORWARDED.items())
-    wire_socket = STATE_DIR / "wire.sock"
+    local, remote = wire_ports
     return [
         "qemu-system-x86_64", "-name", f"kvwire-lab-{node.name}",
         "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-smp", "1",
@@ -212,8 +218,13 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
         "-virtfs", f"local,path={SHARED_DIR},mount_tag=labshare,security_model=none",
         # The wire NIC behind a PCIe root port: the probe finds a PCIe link.
         "-device", "pcie-root-port,id=rp1,slot=1,chassis=1",
-        "-netdev", f"stream,id=wire,server={'on' if first else 'off'},addr.type=unix,"
-                   f"addr.path={wire_socket}",
+        # The wire is UDP on host loopback, one datagram per frame: like
+        # Ethernet it drops under overload (RoCE retransmits) and never
+        # blocks. A stream socket here deadlocked both QEMUs under heavy
+        # small-write traffic, each blocked writing to the other.
+        "-netdev", f"dgram,id=wire,local.type=inet,local.host=127.0.0.1,"
+                   f"local.port={local},remote.type=inet,remote.host=127.0.0.1,"
+                   f"remote.port={remote}",
         "-device", f"virtio-net-pci,bus=rp1,netdev=wire,mac={node.wire_mac},romfile=",
         "-netdev", f"user,id=mgmt,net={MGMT_NET}.0/24,host={MGMT_NET}.2,restrict=on,{forwards}",
         "-device", f"virtio-net-pci,netdev=mgmt,mac={node.mgmt_mac},romfile=",
@@ -248,6 +259,7 @@ def up(out: Any = sys.stdout) -> LabState:
     initramfs.build(kernel, BUSYBOX, STATE_DIR / "initramfs.cpio")
     state = LabState(kernel=kernel, started=time.time())
     started = time.monotonic()
+    wire = [_free_udp_port() for _ in NODES]
     try:
         for position, node in enumerate(NODES):
             ports = {name: _free_port() for name in FORWARDED}
@@ -256,14 +268,13 @@ def up(out: Any = sys.stdout) -> LabState:
             with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:
                 # Its own session: the node outlives this command until `down`.
                 process = subprocess.Popen(
-                    _qemu_command(node, kernel, ports, _venv_python(), checkout, position == 0),
+                    _qemu_command(node, kernel, ports, _venv_python(), checkout,
+                                  (wire[position], wire[1 - position])),
                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True)
             state.nodes[node.name] = NodeState(node.name, process.pid, node.wire_address,
                                                ports, str(console))
             state.save()
-            if position == 0:
-                _wait_for(lambda: (STATE_DIR / "wire.sock").exists(), 20, node.name, state)
         for node in NODES:
             _wait_for(functools.partial(_ping, state, node.name), BOOT_TIMEOUT, node.name,
                       state)
