@@ -122,6 +122,7 @@ class PeerLink:
         self.echoes: dict[int, EchoInitiator] = {}
         self.ever_connected = False
         self.retired = False
+        self.failure: KvwireError | None = None  # what broke the last data channel
         # Series that exist from the start, so rates and alerts see zeros.
         metrics = daemon.metrics
         metrics.reconnects.labels(name)
@@ -157,7 +158,11 @@ class PeerLink:
         async with self._lock:
             if self.connected:
                 return
-            self.lost(PeerLost(f"connection to receiver {self.name} is being rebuilt"))
+            # Whatever still hangs on the old connection fails with what broke
+            # it (a completion error, say), not with "being rebuilt".
+            self.lost(self.failure or PeerLost(
+                f"connection to receiver {self.name} is being rebuilt"))
+            self.failure = None
             await self._connect()
 
     async def _connect(self) -> None:
@@ -204,6 +209,8 @@ class PeerLink:
     def _count_failure(self, error: Exception) -> None:
         status = getattr(error, "status", "transport_error")
         self.daemon.metrics.completion_errors.labels(self.name, status).inc()
+        if isinstance(error, KvwireError):
+            self.failure = error
 
     async def _expect(self, conn: ControlConnection, kind: str) -> Message:
         msg = await conn.recv(self.daemon.config.connect_timeout)

@@ -151,6 +151,16 @@ class ServiceDaemon:
         code, out, err = self._sh(f"PREFIX={prefix} scripts/install.sh {self.role}")
         if code != 0:
             raise LabError(f"make install failed in {self.node}: {out}{err}")
+        if prefix.startswith(("/tmp/", "/var/tmp/")):
+            # The unit's PrivateTmp hides a checkout (and so its venv) under
+            # /tmp; a lab-only drop-in binds it back in, read-only. Deployed
+            # daemons live in /opt/kvwire and need none of this.
+            dropin = f"/etc/systemd/system/{self.unit}.d"
+            code, out, err = self._sh(
+                f"mkdir -p {dropin} && printf '[Service]\\nBindReadOnlyPaths={prefix}\\n' "
+                f"> {dropin}/lab-checkout.conf && systemctl daemon-reload")
+            if code != 0:
+                raise LabError(f"cannot add the lab drop-in in {self.node}: {out}{err}")
 
     def start(self) -> ServiceDaemon:
         """Install, configure, ``systemctl restart``: returns once READY=1 came."""

@@ -408,6 +408,9 @@ def down(quiet: bool = False, timeout: float = 15.0) -> list[str]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             report.append(f"pid {pid}: killed")
+            gone_by = time.monotonic() + 10  # a killed QEMU takes a moment to exit
+            while _alive(pid) and time.monotonic() < gone_by:
+                time.sleep(0.05)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
     shutil.rmtree(STATE_DIR, ignore_errors=True)
