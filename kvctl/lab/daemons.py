@@ -151,14 +151,17 @@ class ServiceDaemon:
         code, out, err = self._sh(f"PREFIX={prefix} scripts/install.sh {self.role}")
         if code != 0:
             raise LabError(f"make install failed in {self.node}: {out}{err}")
-        if prefix.startswith(("/tmp/", "/var/tmp/")):
-            # The unit's PrivateTmp hides a checkout (and so its venv) under
-            # /tmp; a lab-only drop-in binds it back in, read-only. Deployed
-            # daemons live in /opt/kvwire and need none of this.
+        hidden = sorted({path for path in (prefix, str(Path(__file__).resolve().parents[2]))
+                         if path.startswith(("/tmp/", "/var/tmp/"))})
+        if hidden:
+            # The unit's PrivateTmp hides a checkout under /tmp, and with it
+            # the venv and the sources its editable install points to; a
+            # lab-only drop-in binds them back in, read-only. Deployed daemons
+            # live in /opt/kvwire and need none of this.
             dropin = f"/etc/systemd/system/{self.unit}.d"
             code, out, err = self._sh(
-                f"mkdir -p {dropin} && printf '[Service]\\nBindReadOnlyPaths={prefix}\\n' "
-                f"> {dropin}/lab-checkout.conf && systemctl daemon-reload")
+                f"mkdir -p {dropin} && printf '[Service]\\nBindReadOnlyPaths={' '.join(hidden)}"
+                f"\\n' > {dropin}/lab-checkout.conf && systemctl daemon-reload")
             if code != 0:
                 raise LabError(f"cannot add the lab drop-in in {self.node}: {out}{err}")
 
