@@ -31,6 +31,7 @@ from .errors import (
     ProtocolError,
     RequestAborted,
     RequestRefused,
+    TransportError,
     UnknownPeer,
     UsageError,
     from_wire,
@@ -209,8 +210,12 @@ class PeerLink:
     def _count_failure(self, error: Exception) -> None:
         status = getattr(error, "status", "transport_error")
         self.daemon.metrics.completion_errors.labels(self.name, status).inc()
-        if isinstance(error, KvwireError):
-            self.failure = error
+        if isinstance(error, TransportError):
+            # Named after the receiver: "outgoing data connection closed" alone
+            # does not say which of several peers went away.
+            named = type(error)(f"receiver {self.name}: {error.message}", hint=error.hint)
+            named.status = status
+            self.failure = named
 
     async def _expect(self, conn: ControlConnection, kind: str) -> Message:
         msg = await conn.recv(self.daemon.config.connect_timeout)
@@ -620,6 +625,10 @@ class SenderDaemon:
         except TimeoutError:
             self.fail_push(push, DeadlineExceeded(
                 f"request {push.req} missed its deadline"))
+            return
+        except TransportError as exc:
+            # The channel's failure, named after its receiver.
+            self.fail_push(push, link.failure or exc)
             return
         except KvwireError as exc:
             self.fail_push(push, exc)
