@@ -230,10 +230,25 @@ class _CompletionQueue:
             self._spinning = False
 
     def close(self) -> None:
+        """Destroy the CQ and its channel; the QP on it must be gone already.
+
+        ibv_destroy_cq waits until every completion event the channel has
+        delivered is read and acknowledged. An event still pending (a QP that
+        failed flushes its work requests, and the loop has not woken yet)
+        would make it wait for ever, inside the event loop: read and ack the
+        pending ones first. Found by the systemd watchdog in the lab, which
+        killed a sender stuck exactly there after its receiver was killed.
+        """
         if self.closed:
             return
         self.closed = True
         self._loop.remove_reader(self.fd)
+        while True:
+            try:
+                self.channel.get_cq_event(self.cq)  # non-blocking: fails when none is left
+            except PyverbsError:
+                break
+            self.cq.ack_events(1)
         for resource in (self.cq, self.channel):
             with contextlib.suppress(PyverbsError):
                 resource.close()
