@@ -146,15 +146,18 @@ class ReceiverDaemon:
             yield ("kvwire_peer_up", "1 while the sender's connections are up", ["peer"],
                    [session.name], 1.0)
         yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
-               ["arriving"], float(sum(lease.state in ("filling", "landed")
-                                       for lease in self.leases.values())))
+               ["arriving"], float(self._arriving()))
         yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
                ["delivered"], float(sum(lease.state == "complete"
                                         for lease in self.leases.values())))
 
+    def _arriving(self) -> int:
+        """Requests leased whose bytes are still landing or being checked."""
+        return sum(lease.state in ("filling", "landed") for lease in self.leases.values())
+
     def status_line(self) -> str:
         assert self.pool is not None
-        filling = sum(lease.state in ("filling", "landed") for lease in self.leases.values())
+        filling = self._arriving()
         return (f"{'draining' if self.draining else 'ready'}: {len(self.sessions)} senders, "
                 f"{filling} requests arriving, {len(self.leases) - filling} held for decode, "
                 f"pool {format_size(self.pool.used_bytes)} of {format_size(self.pool.size)} used")
@@ -171,14 +174,11 @@ class ReceiverDaemon:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
 
-        def arriving() -> int:
-            return sum(lease.state in ("filling", "landed") for lease in self.leases.values())
-
-        while arriving() and loop.time() < deadline:
+        while self._arriving() and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        if arriving():
-            log.warning("drain timed out", arriving=arriving(), timeout=timeout)
-        return arriving()
+        if self._arriving():
+            log.warning("drain timed out", arriving=self._arriving(), timeout=timeout)
+        return self._arriving()
 
     async def stop(self) -> None:
         for server in self._servers:
