@@ -74,9 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--json", action="store_true")
 
     from .lab.cli import add_parser as add_lab_parser
+    from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
 
     add_run_parsers(commands)
+    add_probe_parser(commands)
     add_lab_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_main(args)
         if args.command == "probe":
-            from .run.cli import probe_main
+            from .probe import main as probe_main
 
             return probe_main(args)
         if args.command == "lab":
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 lab_demo()
                 return 0
-            from .demo import netns_demo
+            from .netns_demo import netns_demo
 
             asyncio.run(netns_demo(args.repeat))
             return 0

@@ -9,7 +9,9 @@ The PCIe payload ceiling bounds what any transfer can reach on this node.
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
 import os
 import re
 import resource
@@ -298,3 +300,27 @@ def render(result: Probe) -> str:
     if os.geteuid() != 0 and not result.memlock_ok:
         lines.append("  (raising the hard limit needs root)")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------- the command
+
+
+def add_parser(commands: Any) -> None:
+    probe = commands.add_parser("probe", help="RDMA devices, GIDs, memlock and the PCIe link")
+    probe.add_argument("--dev", default="", help="only this RDMA device")
+    probe.add_argument("--to", help="a peer address: show the GID kvwire would use towards it")
+    probe.add_argument("--config", action="append", type=Path,
+                       help="daemon config(s) whose pools memlock must cover (default: "
+                       "/etc/kvwire/*.toml if present)")
+    probe.add_argument("--json", action="store_true")
+    probe.add_argument("--out", type=Path, help="also write probe.json into this directory")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = probe(args.dev, args.to, args.config)
+    document = json.dumps(result.to_dict(), indent=2)
+    print(document if args.json else render(result))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "probe.json").write_text(document + "\n")
+    return 0

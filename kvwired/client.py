@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 
 from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
-from .localsock import close_quietly, connect_local
+from .localsock import connect_local
 from .pool import map_shared_fd
-from .protocol import RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, encode, message, read_message
+from .protocol import RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, message
+from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
 DEFAULT_RECEIVER_SOCKET = "/run/kvwire/receiver.sock"
@@ -61,28 +62,31 @@ class Delivered:
 class _Connection:
     """A local daemon connection: frames out, a reader task routing frames in."""
 
-    def __init__(self, path: str, role: str, schema: Schema) -> None:
+    def __init__(self, path: str, role: str, schema: Schema,
+                 route: Callable[[Message], None],
+                 fail_all: Callable[[KvwireError], None]) -> None:
         self.path, self.role, self.schema = path, role, schema
+        self._route, self._fail_all = route, fail_all
         self.map: mmap.mmap | None = None
         self.welcome: Message = {}
-        self._writer: asyncio.StreamWriter | None = None
+        self._stream: MessageStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self.broken: KvwireError | None = None
 
     async def open(self, writable: bool) -> None:
-        reader, writer, welcome, fd = await connect_local(self.path, self.role, self.schema)
+        stream, welcome, fd = await connect_local(self.path, self.role, self.schema)
         self.map = map_shared_fd(fd, int(welcome["pool_size"]), writable=writable)
-        self.welcome, self._writer = welcome, writer
-        self._reader_task = asyncio.create_task(self._read(reader))
+        self.welcome, self._stream = welcome, stream
+        self._reader_task = asyncio.create_task(self._read(stream))
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, stream: MessageStream) -> None:
         error: KvwireError
         try:
-            while (msg := await read_message(reader, self.schema)) is not None:
+            while (msg := await stream.receive()) is not None:
                 if msg["t"] == "error":
                     error = from_wire(msg["error"])
                     break
-                self.route(msg)
+                self._route(msg)
             else:
                 error = DaemonUnavailable(f"the daemon at {self.path} closed the connection",
                                           hint="check its logs; it may have been stopped")
@@ -91,27 +95,21 @@ class _Connection:
         except (ConnectionError, OSError) as exc:
             error = DaemonUnavailable(f"connection to the daemon at {self.path} broke: {exc}")
         self.broken = error
-        self.fail_all(error)
-
-    def route(self, msg: Message) -> None:
-        raise NotImplementedError
-
-    def fail_all(self, error: KvwireError) -> None:
-        raise NotImplementedError
+        self._fail_all(error)
 
     def send(self, msg: Message) -> None:
         if self.broken is not None:
             raise self.broken
-        assert self._writer is not None
-        self._writer.write(encode(msg))
+        assert self._stream is not None
+        self._stream.send(msg)
 
     async def close(self) -> None:
         if self._reader_task is not None:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
-        if self._writer is not None:
-            close_quietly(self._writer)
+        if self._stream is not None:
+            self._stream.close()
 
 
 class OutgoingPush:
@@ -218,7 +216,7 @@ class SenderClient:
     """A prefill engine's connection to its local sender daemon."""
 
     def __init__(self, path: str) -> None:
-        self.conn = _SenderConnection(path, self)
+        self.conn = _Connection(path, "prefill", SENDER_LOCAL, self._route, self._fail_all)
         self._opening: dict[str, asyncio.Future[Message]] = {}
         self._pushes: dict[str, OutgoingPush] = {}
         self._runs: dict[str, _Run] = {}
@@ -346,23 +344,11 @@ class SenderClient:
         await self.close()
 
 
-class _SenderConnection(_Connection):
-    def __init__(self, path: str, client: SenderClient) -> None:
-        super().__init__(path, "prefill", SENDER_LOCAL)
-        self.client = client
-
-    def route(self, msg: Message) -> None:
-        self.client._route(msg)
-
-    def fail_all(self, error: KvwireError) -> None:
-        self.client._fail_all(error)
-
-
 class ReceiverClient:
     """A decode engine's connection to its local receiver daemon."""
 
     def __init__(self, path: str) -> None:
-        self.conn = _ReceiverConnection(path, self)
+        self.conn = _Connection(path, "decode", RECEIVER_LOCAL, self._route, self._fail_all)
         self._events: dict[str, asyncio.Queue[LayerLanded | Delivered | KvwireError]] = {}
         self._released: dict[str, asyncio.Future[None]] = {}
 
@@ -450,18 +436,6 @@ class ReceiverClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class _ReceiverConnection(_Connection):
-    def __init__(self, path: str, client: ReceiverClient) -> None:
-        super().__init__(path, "decode", RECEIVER_LOCAL)
-        self.client = client
-
-    def route(self, msg: Message) -> None:
-        self.client._route(msg)
-
-    def fail_all(self, error: KvwireError) -> None:
-        self.client._fail_all(error)
 
 
 # ------------------------------------------------------------ sync wrappers

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 
 from .errors import KvwireError, PeerLost
-from .protocol import CONTROL, Message, encode, error_message, message, read_message
+from .protocol import CONTROL, Message, error_message, message
+from .stream import MessageStream
+from .tasks import spawn
 
 log = structlog.get_logger("kvwired.control")
 
@@ -29,8 +31,8 @@ class ControlConnection:
         heartbeat: float,
         label: str,
     ) -> None:
-        self.reader = reader
         self.writer = writer
+        self.stream = MessageStream(reader, writer, CONTROL)
         self.heartbeat = heartbeat
         self.label = label
         self._pinger: asyncio.Task[None] | None = None
@@ -47,14 +49,14 @@ class ControlConnection:
 
     def send(self, msg: Message) -> None:
         if not self.closed:
-            self.writer.write(encode(msg))
+            self.stream.send(msg)
 
     async def recv(self, timeout: float | None = None) -> Message:
         """The next message that is not a ping/pong; PeerLost at end of stream."""
         limit = timeout if timeout is not None else self.heartbeat * MISSED_PINGS
         while True:
             try:
-                msg = await asyncio.wait_for(read_message(self.reader, CONTROL), limit)
+                msg = await asyncio.wait_for(self.stream.receive(), limit)
             except TimeoutError:
                 raise PeerLost(
                     f"{self.label} sent nothing for {limit:g} s",
@@ -74,6 +76,24 @@ class ControlConnection:
     async def messages(self) -> AsyncIterator[Message]:
         while True:
             yield await self.recv()
+
+    def serve(self, dispatch: Callable[[Message], None],
+              ended: Callable[[ControlConnection, KvwireError], None], name: str) -> None:
+        """Read messages into ``dispatch`` in the background until the connection
+        ends; then ``ended`` hears why. A ``KvwireError`` raised by ``dispatch``
+        (a message the protocol forbids) ends it too, after an error frame."""
+        spawn(self.run(dispatch, ended), name)
+
+    async def run(self, dispatch: Callable[[Message], None],
+                  ended: Callable[[ControlConnection, KvwireError], None]) -> None:
+        try:
+            async for msg in self.messages():
+                dispatch(msg)
+        except KvwireError as exc:
+            self.fail(exc)
+            ended(self, exc)
+        finally:
+            self.close()
 
     def start_pinging(self) -> None:
         self._pinger = asyncio.create_task(self._ping_forever(), name=f"ping-{self.label}")
@@ -96,5 +116,4 @@ class ControlConnection:
         self.closed = True
         if self._pinger is not None:
             self._pinger.cancel()
-        with contextlib.suppress(Exception):
-            self.writer.close()
+        self.stream.close()

@@ -16,16 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from .errors import DaemonUnavailable, KvwireError, ProtocolError, from_wire
-from .protocol import (
-    MAX_FRAME,
-    Message,
-    Schema,
-    decode,
-    encode,
-    error_message,
-    message,
-    read_message,
-)
+from .protocol import MAX_FRAME, FrameDecoder, Message, Schema, encode, error_message, message
+from .stream import MessageStream
 
 ClientHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -60,8 +52,9 @@ async def local_session(
     protocol violation; returns quietly when the engine closes, including
     one that connected and left without a word (a readiness probe).
     """
+    stream = MessageStream(reader, writer, schema)
     try:
-        hello = await asyncio.wait_for(read_message(reader, schema), HELLO_TIMEOUT)
+        hello = await asyncio.wait_for(stream.receive(), HELLO_TIMEOUT)
     except TimeoutError:
         raise ProtocolError(f"no hello within {HELLO_TIMEOUT:g} s") from None
     if hello is None:
@@ -69,7 +62,7 @@ async def local_session(
     if hello["t"] != "hello":
         raise ProtocolError(f"expected hello, got {hello['t']!r}")
     send_with_fd(writer, welcome, fd)
-    while (msg := await read_message(reader, schema)) is not None:
+    while (msg := await stream.receive()) is not None:
         dispatch(msg)
 
 
@@ -109,8 +102,10 @@ def accepts(path: str) -> bool:
         return True
 
 
-def _handshake(path: str, role: str, schema: Schema) -> tuple[socket.socket, Message, int]:
+def _handshake(path: str, role: str,
+               schema: Schema) -> tuple[socket.socket, Message, int, FrameDecoder]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
     try:
         sock.settimeout(10)
         try:
@@ -121,52 +116,42 @@ def _handshake(path: str, role: str, schema: Schema) -> tuple[socket.socket, Mes
                 hint="is the daemon running, and may this user open its socket?",
             ) from exc
         sock.sendall(encode(message("hello", role=role)))
+        decoder = FrameDecoder(schema)
+        # The welcome's first bytes carry the pool fd; whatever follows it in
+        # the stream stays in the decoder, which the async side takes over.
         data, fds, _, _ = socket.recv_fds(sock, MAX_FRAME + 4, 1)
-        if not data:
-            raise DaemonUnavailable(f"the daemon at {path} closed the connection at once")
-        data = _read_rest(sock, data)
-        msg = decode(data[4:], schema)
+        while True:
+            if not data:
+                decoder.end_of_stream()
+                raise DaemonUnavailable(f"the daemon at {path} closed the connection at once")
+            decoder.feed(data)
+            if (msg := decoder.next_message()) is not None:
+                break
+            data = sock.recv(MAX_FRAME + 4)
         if msg["t"] == "error":
-            for fd in fds:
-                os.close(fd)
             raise from_wire(msg["error"])
         if msg["t"] != "welcome" or len(fds) != 1:
             raise ProtocolError(f"expected a welcome with the pool fd, got {msg['t']!r}")
         sock.settimeout(None)
         sock.setblocking(False)
-        return sock, msg, fds[0]
+        return sock, msg, fds[0], decoder
     except BaseException:
+        for fd in fds:
+            os.close(fd)
         sock.close()
         raise
 
 
-def _read_rest(sock: socket.socket, data: bytes) -> bytes:
-    while len(data) < 4:
-        more = sock.recv(4 - len(data))
-        if not more:
-            raise ProtocolError("stream ended inside the welcome frame")
-        data += more
-    need = 4 + int.from_bytes(data[:4], "big")
-    while len(data) < need:
-        more = sock.recv(need - len(data))
-        if not more:
-            raise ProtocolError("stream ended inside the welcome frame")
-        data += more
-    return data
-
-
-async def connect_local(
-    path: str, role: str, schema: Schema
-) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Message, int]:
-    """Connect to a daemon's unix socket: (reader, writer, welcome, pool fd)."""
-    sock, welcome, fd = await asyncio.to_thread(_handshake, path, role, schema)
+async def connect_local(path: str, role: str, schema: Schema) -> tuple[MessageStream, Message, int]:
+    """Connect to a daemon's unix socket: (message stream, welcome, pool fd)."""
+    sock, welcome, fd, decoder = await asyncio.to_thread(_handshake, path, role, schema)
     try:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
     except BaseException:
         os.close(fd)
         sock.close()
         raise
-    return reader, writer, welcome, fd
+    return MessageStream(reader, writer, schema, decoder), welcome, fd
 
 
 def close_quietly(writer: asyncio.StreamWriter) -> None:

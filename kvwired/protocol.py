@@ -6,11 +6,16 @@ checked against the schema of their channel on receipt, so the code behind
 this module only ever sees well-formed messages; anything else becomes a
 ``ProtocolError`` that the connection answers with an ``error`` frame and
 closes.
+
+Nothing here does I/O. ``FrameDecoder`` takes bytes as they arrive
+(``feed``) and hands out validated messages (``next_message``), the way h11's
+``receive_data``/``next_event`` do; ``encode`` makes the bytes to send. The
+one adapter to asyncio streams is ``kvwired.stream``; the blocking handshake
+of the client library feeds the same decoder.
 """
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,6 +82,9 @@ CONTROL: Schema = {
     "bye": {"reason": STR},
     "error": {"error": ERROR},
 }
+
+# What a receiver sends in answer to a sender's request (matched by ``req``).
+CONTROL_ANSWERS = frozenset({"lease", "refused", "echo_offer", "echo_ready", "baseline_ready"})
 
 # Prefill engine <-> sender daemon, over the sender's unix socket.
 SENDER_LOCAL: Schema = {
@@ -182,24 +190,54 @@ def validate(msg: object, schema: Schema) -> Message:
     return msg
 
 
-async def read_message(reader: asyncio.StreamReader, schema: Schema) -> Message | None:
-    """The next validated message, or None at a clean end of stream."""
-    try:
-        header = await reader.readexactly(_LENGTH.size)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise ProtocolError("stream ended inside a frame header") from exc
-        return None
-    (length,) = _LENGTH.unpack(header)
-    if length > MAX_FRAME:
-        raise FrameTooLarge(
-            f"peer announced a {length} B frame; the limit is {MAX_FRAME} B",
-            hint="the peer is not a kvwire daemon of this version, or is broken",
-        )
-    try:
-        body = await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
+class FrameDecoder:
+    """Bytes in, validated messages out; one per channel direction.
+
+    ``next_message`` returns None until a whole frame is buffered. A frame
+    announced larger than ``max_frame`` is refused from its header alone,
+    so a peer cannot make us buffer it.
+    """
+
+    def __init__(self, schema: Schema, max_frame: int = MAX_FRAME) -> None:
+        self.schema = schema
+        self.max_frame = max_frame
+        self._buffer = bytearray()
+        self._start = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._start and self._start * 2 > len(self._buffer):
+            # Drop what was consumed once it is the larger part.
+            del self._buffer[: self._start]
+            self._start = 0
+        self._buffer += data
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet handed out as a message."""
+        return len(self._buffer) - self._start
+
+    def next_message(self) -> Message | None:
+        if self.buffered < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack_from(self._buffer, self._start)
+        if length > self.max_frame:
+            raise FrameTooLarge(
+                f"peer announced a {length} B frame; the limit is {self.max_frame} B",
+                hint="the peer is not a kvwire daemon of this version, or is broken",
+            )
+        end = self._start + _LENGTH.size + length
+        if len(self._buffer) < end:
+            return None
+        body = bytes(self._buffer[self._start + _LENGTH.size : end])
+        self._start = end
+        return decode(body, self.schema)
+
+    def end_of_stream(self) -> None:
+        """The peer closed: fine between frames, a ProtocolError inside one."""
+        if self.buffered == 0:
+            return
+        if self.buffered < _LENGTH.size:
+            raise ProtocolError("stream ended inside a frame header")
+        (length,) = _LENGTH.unpack_from(self._buffer, self._start)
         raise ProtocolError(
-            f"stream ended inside a frame ({len(exc.partial)} of {length} B)"
-        ) from exc
-    return decode(body, schema)
+            f"stream ended inside a frame ({self.buffered - _LENGTH.size} of {length} B)")

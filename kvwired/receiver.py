@@ -10,22 +10,21 @@ is not live is dropped, so an aborted request is never announced as data.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
-from . import immediate, perftest
+from . import immediate
 from .config import ReceiverConfig, parse_address
 from .control import ControlConnection
-from .echo import EchoLease, check_sizes
+from .daemon import Daemon, LiveSample
 from .errors import (
     ConfigError,
     DuplicateRequest,
-    ExperimentFailed,
     KvwireError,
     PeerLost,
     ProtocolError,
@@ -35,13 +34,11 @@ from .errors import (
     UsageError,
 )
 from .layout import RequestShape
-from .localsock import HELLO_TIMEOUT, close_quietly, local_session, reject, serve_unix
-from .metrics import Metrics
+from .localsock import HELLO_TIMEOUT, close_quietly, local_session, reject
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
-from .rdma import pick_gid
 from .tasks import spawn
-from .transport import make_transport
+from .transport import Transport, TransportOptions, make_transport
 from .transport.base import Responder
 from .units import format_size
 
@@ -85,33 +82,67 @@ class SenderSession:
     credits_to_return: int = 0
     alive: bool = True
     writes_counted: int = 0
-    echoes: set[int] = field(default_factory=set)
-    baselines: dict[str, asyncio.subprocess.Process] = field(default_factory=dict)
 
 
-class ReceiverDaemon:
-    def __init__(self, config: ReceiverConfig) -> None:
-        self.config = config
-        self.metrics = Metrics("receiver")
-        self.metrics.live.sources.append(self._live_metrics)
-        self.pool: Pool | None = None
-        self.transport = make_transport(config)
+class ReceiverService(Protocol):
+    """Control messages beyond the request path, handed in at wiring time.
+
+    The experiments' echo leases and perftest servers are services: the
+    receiver routes their message types and the immediates naming their
+    lease ids to them, and tells them when a sender's session ends.
+    """
+
+    messages: frozenset[str]
+
+    def bind(self, receiver: ReceiverDaemon) -> None: ...
+
+    def handle(self, session: SenderSession, msg: Message) -> None: ...
+
+    def on_immediate(self, session: SenderSession, lease_id: int, layer: int) -> bool:
+        """Take an immediate naming one of this service's leases; False if not ours."""
+        ...
+
+    def session_closed(self, session: SenderSession) -> None: ...
+
+
+class ReceiverDaemon(Daemon):
+    role = "receiver"
+
+    def __init__(self, config: ReceiverConfig,
+                 services: Iterable[ReceiverService] = ()) -> None:
+        super().__init__(config, config.socket)
+        self.config: ReceiverConfig = config
+        self._pool: Pool | None = None
+        self.transport: Transport = make_transport(TransportOptions(
+            name=config.transport, rdma_device=config.rdma_device,
+            gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
+            receive_depth=config.credits, listen_host=parse_address(config.listen, 7471)[0],
+            data_port=config.data_port, listen_at_start=True))
         self.leases: dict[int, Lease] = {}
-        self.echoes: dict[int, EchoLease] = {}
         self.by_req: dict[str, Lease] = {}
         self.subscribers: dict[str, set[Consumer]] = {}
         self.sessions: set[SenderSession] = set()
+        self._lease_ids: set[int] = set()  # the request path's and the services'
         self._next_lease = 1
-        self._servers: list[asyncio.AbstractServer] = []
         self.control_port = 0
-        self.metrics_port = 0
-        self.draining = False
+        self._control_server: asyncio.AbstractServer | None = None
+        self.services = list(services)
+        self._routes: dict[str, ReceiverService] = {}
+        for service in self.services:
+            service.bind(self)
+            for kind in service.messages:
+                self._routes[kind] = service
+
+    @property
+    def pool(self) -> Pool:
+        assert self._pool is not None, "receiver not started"
+        return self._pool
 
     # ----------------------------------------------------------- life cycle
 
     async def start(self) -> None:
         cfg = self.config
-        self.pool = Pool(cfg.pool_size, "receive", full_hint=(
+        self._pool = Pool(cfg.pool_size, "receive", full_hint=(
             "decode engines must release delivered requests; or raise pool_size"))
         await self.transport.start(self.pool.memory)
         host, port = parse_address(cfg.listen, 7471)
@@ -122,12 +153,12 @@ class ReceiverDaemon:
                 f"cannot listen for senders on {host}:{port}: {exc.strerror}",
                 hint="pick a free port with --listen",
             ) from exc
-        self._servers.append(control)
+        self._control_server = control
+        self.add_server(control)
         self.control_port = int(control.sockets[0].getsockname()[1])
-        self.metrics_port = self.metrics.serve(*parse_address(cfg.metrics, 0))
-        # The unix socket comes last: once it accepts, the daemon is ready.
-        self._servers.append(await serve_unix(cfg.socket, self._serve_consumer))
-        self._update_pool_metrics()
+        self.serve_metrics()
+        await self.serve_local(self._serve_consumer)
+        self.update_pool_metrics()
         log.info(
             "receiver ready",
             name=cfg.name,
@@ -138,7 +169,7 @@ class ReceiverDaemon:
             metrics_port=self.metrics_port,
         )
 
-    def _live_metrics(self) -> Iterator[tuple[str, str, list[str], list[str], float]]:
+    def live_metrics(self) -> Iterator[LiveSample]:
         for session in list(self.sessions):
             posted = session.responder.receives_posted if session.responder else 0
             yield ("kvwire_receives_posted", "receives posted for a sender's immediates "
@@ -151,45 +182,30 @@ class ReceiverDaemon:
                ["delivered"], float(sum(lease.state == "complete"
                                         for lease in self.leases.values())))
 
+    def in_flight(self) -> int:
+        return self._arriving()
+
     def _arriving(self) -> int:
         """Requests leased whose bytes are still landing or being checked."""
         return sum(lease.state in ("filling", "landed") for lease in self.leases.values())
 
     def status_line(self) -> str:
-        assert self.pool is not None
         filling = self._arriving()
         return (f"{'draining' if self.draining else 'ready'}: {len(self.sessions)} senders, "
                 f"{filling} requests arriving, {len(self.leases) - filling} held for decode, "
                 f"pool {format_size(self.pool.used_bytes)} of {format_size(self.pool.size)} used")
 
-    async def drain(self, timeout: float) -> int:
-        """Refuse new requests; let those arriving land within ``timeout``.
+    def stop_accepting(self) -> None:
+        # No new senders. Delivered requests stay readable until the process exits.
+        if self._control_server is not None:
+            self._control_server.close()
 
-        Delivered requests stay readable until the process exits. Returns how
-        many were still arriving when the time ran out.
-        """
-        self.draining = True
-        if self._servers:
-            self._servers[0].close()  # the control listener: no new senders
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-
-        while self._arriving() and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if self._arriving():
-            log.warning("drain timed out", arriving=self._arriving(), timeout=timeout)
-        return self._arriving()
-
-    async def stop(self) -> None:
-        for server in self._servers:
-            server.close()
+    async def say_goodbye(self) -> None:
         for session in list(self.sessions):
             if session.alive:
                 session.conn.send(message("bye", reason="the receiver is shutting down"))
             self._drop_session(session, PeerLost("the receiver is shutting down"))
         await self.transport.stop()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket)
 
     # ------------------------------------------------------------- senders
 
@@ -198,24 +214,26 @@ class ReceiverDaemon:
     ) -> None:
         conn = ControlConnection(reader, writer, self.config.heartbeat, "sender")
         session = SenderSession(conn)
-        try:
-            await self._handshake(session)
-            self.metrics.peer_seen(session.name)
-            self.sessions.add(session)
-            self.metrics.peers.set(len(self.sessions))
-            conn.start_pinging()
-            async for msg in conn.messages():
-                self._dispatch(session, msg)
-        except KvwireError as exc:
+
+        def ended(conn: ControlConnection, exc: KvwireError) -> None:
             if isinstance(exc, ProtocolError):
                 self.metrics.protocol_errors.labels("control").inc()
             log.warning("sender connection ended", sender=session.name,
                         peer=conn.peer_address, error=str(exc))
-            conn.fail(exc)
             self._drop_session(session, exc if isinstance(exc, PeerLost) else
                                PeerLost(f"sender {session.name} dropped: {exc}"))
-        finally:
-            conn.close()
+
+        try:
+            await self._handshake(session)
+        except KvwireError as exc:
+            conn.fail(exc)
+            ended(conn, exc)
+            return
+        self.metrics.peer_seen(session.name)
+        self.sessions.add(session)
+        self.metrics.peers.set(len(self.sessions))
+        conn.start_pinging()
+        await conn.run(lambda msg: self._dispatch(session, msg), ended)
 
     async def _handshake(self, session: SenderSession) -> None:
         conn = session.conn
@@ -258,109 +276,14 @@ class ReceiverDaemon:
             lease = self.leases.get(msg["lease"])
             if lease is not None and lease.session is session and lease.state == "aborting":
                 self._free_lease(lease)
-        elif kind == "echo_open":
-            spawn(self._echo_open(session, msg), f"echo-{msg['req']}")
-        elif kind == "echo_answer":
-            spawn(self._echo_answer(session, msg), f"echo-answer-{msg['req']}")
-        elif kind == "echo_close":
-            echo = self.echoes.get(msg["lease"])
-            if echo is not None and echo.id in session.echoes:
-                self._close_echo(session, echo)
-        elif kind == "baseline":
-            spawn(self._baseline(session, msg), f"baseline-{msg['req']}")
-        elif kind == "baseline_stop":
-            proc = session.baselines.get(msg["req"])
-            if proc is not None:
-                # The server exits once its client is done; a hung one is killed.
-                asyncio.get_running_loop().call_later(5.0, perftest.kill, proc)
+        elif kind in self._routes:
+            self._routes[kind].handle(session, msg)
         elif kind == "bye":
             raise PeerLost(f"sender {session.name} said goodbye: {msg['reason']}")
         elif kind == "error":
             raise PeerLost(f"sender {session.name} reported: {msg['error'].get('message')}")
         else:
             raise ProtocolError(f"a sender may not send {kind!r}")
-
-    # ----------------------------------------------------- experiments
-
-    async def _echo_open(self, session: SenderSession, msg: Message) -> None:
-        req = msg["req"]
-        assert self.pool is not None
-        try:
-            sizes = check_sizes(msg["sizes"], msg["bytes"])
-            slot = await self.pool.reserve(msg["bytes"], self.config.lease_wait)
-        except KvwireError as exc:
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
-            return
-        if not session.alive:
-            self.pool.release(slot)
-            return
-        echo = EchoLease(self._new_lease_id(), req, slot, sizes, session.conn)
-        self.echoes[echo.id] = echo
-        session.echoes.add(echo.id)
-        self._update_pool_metrics()
-        try:
-            offer = await echo.offer(self.transport)
-        except KvwireError as exc:
-            self._close_echo(session, echo)
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
-            return
-        log.info("echo lease opened", req=req, sender=session.name, bytes=msg["bytes"])
-        session.conn.send(offer)
-
-    async def _echo_answer(self, session: SenderSession, msg: Message) -> None:
-        echo = self.echoes.get(msg["lease"])
-        try:
-            if echo is None or echo.id not in session.echoes:
-                raise ProtocolError(f"echo_answer for unknown echo lease {msg['lease']}")
-            session.conn.send(await echo.complete(msg))
-        except KvwireError as exc:
-            if echo is not None:
-                self._close_echo(session, echo)
-            session.conn.send(message("refused", req=msg["req"], error=exc.to_wire()))
-
-    def _echo_failed(self, session: SenderSession, echo: EchoLease, error: KvwireError) -> None:
-        if self.echoes.get(echo.id) is not echo:
-            return
-        log.warning("echo channel failed", req=echo.req, sender=session.name, error=str(error))
-        self._close_echo(session, echo)
-        if session.alive:
-            session.conn.send(message("abort", req=echo.req, lease=echo.id,
-                                      error=error.to_wire()))
-
-    def _close_echo(self, session: SenderSession, echo: EchoLease) -> None:
-        if self.echoes.pop(echo.id, None) is None:
-            return
-        session.echoes.discard(echo.id)
-        echo.close()
-        assert self.pool is not None
-        self.pool.release(echo.slot)
-        self._update_pool_metrics()
-        log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
-
-    async def _baseline(self, session: SenderSession, msg: Message) -> None:
-        """Run the server side of one perftest measurement for this sender."""
-        req = msg["req"]
-        cfg = self.config
-        try:
-            if self.transport.name != "verbs":
-                raise ExperimentFailed(
-                    "the perftest baseline needs RDMA; this receiver runs over tcp",
-                    hint="run the daemons with transport = verbs, or drop --baseline")
-            gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
-            port = perftest.free_port()
-            proc = await perftest.start_server(perftest.command(
-                msg["tool"], gid, msg["size"], msg["iters"], port))
-        except KvwireError as exc:
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
-            return
-        session.baselines[req] = proc
-        session.conn.send(message("baseline_ready", req=req, port=port))
-        try:
-            await asyncio.wait_for(proc.wait(), perftest.SERVER_LINGER)
-        except TimeoutError:
-            perftest.kill(proc)
-        finally:
-            session.baselines.pop(req, None)
 
     async def _open(self, session: SenderSession, msg: Message) -> None:
         req = msg["req"]
@@ -380,7 +303,6 @@ class ReceiverDaemon:
                     f"request {req} is already held by this receiver",
                     hint="request ids must be unique until the decode engine releases them",
                 )
-            assert self.pool is not None
             slot = await self.pool.reserve(shape.total_bytes, self.config.lease_wait)
         except (KvwireError, KeyError, TypeError, ValueError) as exc:
             error = exc if isinstance(exc, KvwireError) else ProtocolError(f"bad shape: {exc}")
@@ -388,28 +310,32 @@ class ReceiverDaemon:
             self.metrics.requests.labels(session.name, "refused").inc()
             session.conn.send(message("refused", req=req, error=error.to_wire()))
             return
-        assert self.pool is not None
         if not session.alive or req in self.by_req:
             self.pool.release(slot)
             if session.alive:
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
             return
-        lease = Lease(self._new_lease_id(), req, shape, slot, session,
+        lease = Lease(self.allocate_lease_id(), req, shape, slot, session,
                       opened_at=asyncio.get_running_loop().time(),
                       discard=bool(msg.get("discard")))
         self.leases[lease.id] = lease
         self.by_req[req] = lease
         session.leases.add(lease.id)
-        self._update_pool_metrics()
+        self.update_pool_metrics()
         session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset))
 
-    def _new_lease_id(self) -> int:
+    def allocate_lease_id(self) -> int:
+        """A lease id no live lease (the request path's or a service's) holds."""
         while True:
             lease_id = self._next_lease
             self._next_lease = self._next_lease % (immediate.LEASE_SPACE - 1) + 1
-            if lease_id not in self.leases and lease_id not in self.echoes:
+            if lease_id not in self._lease_ids:
+                self._lease_ids.add(lease_id)
                 return lease_id
+
+    def free_lease_id(self, lease_id: int) -> None:
+        self._lease_ids.discard(lease_id)
 
     # ---------------------------------------------------------- data path
 
@@ -417,11 +343,10 @@ class ReceiverDaemon:
         self._return_credit(session)
         self._count_received(session)
         lease_id, layer = immediate.unpack(imm)
-        if lease_id in session.echoes:
-            echo = self.echoes[lease_id]
-            echo.answer(layer, lambda exc: self._echo_failed(session, echo, exc))
-            return
         lease = self.leases.get(lease_id)
+        if lease is None and any(service.on_immediate(session, lease_id, layer)
+                                 for service in self.services):
+            return
         if (lease is None or lease.session is not session or lease.state != "filling"
                 or not lease.landed <= layer < lease.shape.layers):
             self.metrics.stale_immediates.inc()
@@ -461,7 +386,6 @@ class ReceiverDaemon:
         session.credits_to_return = 0
 
     async def _complete(self, lease: Lease) -> None:
-        assert self.pool is not None
         start = lease.slot.offset
         view = self.pool.memory.view[start : start + lease.shape.total_bytes]
         # zlib releases the GIL on large buffers: the loop keeps serving.
@@ -508,12 +432,12 @@ class ReceiverDaemon:
         if self.leases.get(lease.id) is not lease:
             return
         del self.leases[lease.id]
+        self.free_lease_id(lease.id)
         self.by_req.pop(lease.req, None)
         lease.session.leases.discard(lease.id)
         lease.state = "freed"
-        assert self.pool is not None
         self.pool.release(lease.slot)
-        self._update_pool_metrics()
+        self.update_pool_metrics()
 
     def _drop_session(self, session: SenderSession, error: KvwireError) -> None:
         if not session.alive:
@@ -523,10 +447,8 @@ class ReceiverDaemon:
         self.metrics.peers.set(len(self.sessions))
         if session.responder is not None:
             session.responder.close()
-        for echo_id in list(session.echoes):
-            self._close_echo(session, self.echoes[echo_id])
-        for proc in session.baselines.values():
-            perftest.kill(proc)
+        for service in self.services:
+            service.session_closed(session)
         for lease_id in list(session.leases):
             lease = self.leases[lease_id]
             if lease.state != "complete":
@@ -541,8 +463,7 @@ class ReceiverDaemon:
         lease.session.conn.send(message("abort", req=lease.req, lease=lease.id,
                                         error=error.to_wire()))
 
-    def _update_pool_metrics(self) -> None:
-        assert self.pool is not None
+    def update_pool_metrics(self) -> None:
         self.metrics.set_pool("receive", self.pool.size, self.pool.used_bytes)
 
     # ----------------------------------------------------------- consumers
@@ -566,7 +487,6 @@ class ReceiverDaemon:
             else:
                 raise ProtocolError(f"a decode engine may not send {msg['t']!r}")
 
-        assert self.pool is not None
         welcome = message("welcome", name=self.config.name, pool_size=self.pool.size)
         fd = self.pool.memory.readonly_fd()  # decode engines only read the pool
         self.metrics.clients.inc()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvctl.lab.machine import LabState
+from kvwired.cli import build_daemon
 from kvwired.config import ReceiverConfig, SenderConfig, build
 from kvwired.receiver import ReceiverDaemon
 from kvwired.sender import SenderDaemon
@@ -32,16 +33,19 @@ class LocalDaemons:
 
 async def start_local(tmp: Path, receiver: dict[str, Any] | None = None,
                       sender: dict[str, Any] | None = None) -> LocalDaemons:
-    """Both daemons in this event loop, on loopback, with ephemeral ports."""
-    rx = ReceiverDaemon(build(ReceiverConfig, {
+    """Both daemons in this event loop, on loopback, with ephemeral ports, wired
+    as ``kvwired`` wires them (experiments included)."""
+    rx = build_daemon(build(ReceiverConfig, {
         "listen": "127.0.0.1:0", "data_port": 0, "socket": str(tmp / "rx.sock"),
         "metrics": "127.0.0.1:0", "pool_size": "64MiB", "lease_wait": 0.5,
         **(receiver or {})}))
+    assert isinstance(rx, ReceiverDaemon)
     await rx.start()
-    tx = SenderDaemon(build(SenderConfig, {
+    tx = build_daemon(build(SenderConfig, {
         "socket": str(tmp / "tx.sock"), "metrics": "127.0.0.1:0", "staging_size": "64MiB",
         "peers": {"decode": f"127.0.0.1:{rx.control_port}"}, "connect_timeout": 2.0,
         **(sender or {})}))
+    assert isinstance(tx, SenderDaemon)
     await tx.start()
     return LocalDaemons(rx, tx)
 

@@ -25,7 +25,7 @@ from kvwired.errors import (
     UsageError,
 )
 from kvwired.layout import RequestShape
-from kvwired.protocol import CONTROL, encode, message, read_message
+from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 
 from .conftest import LocalDaemons, start_local
 
@@ -34,9 +34,19 @@ async def _control(local: LocalDaemons) -> tuple[asyncio.StreamReader, asyncio.S
     return await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
 
 
-async def _expect_error_then_close(reader: asyncio.StreamReader) -> dict[str, str]:
-    msg = await asyncio.wait_for(read_message(reader, CONTROL), 5)
-    assert msg is not None and msg["t"] == "error"
+async def _read_control(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Message:
+    """The next control message the receiver sends (the test holds the decoder)."""
+    while (msg := decoder.next_message()) is None:
+        data = await asyncio.wait_for(reader.read(65536), 5)
+        assert data, "the receiver hung up"
+        decoder.feed(data)
+    return msg
+
+
+async def _expect_error_then_close(reader: asyncio.StreamReader,
+                                   decoder: FrameDecoder | None = None) -> dict[str, str]:
+    msg = await _read_control(reader, decoder or FrameDecoder(CONTROL))
+    assert msg["t"] == "error"
     assert await asyncio.wait_for(reader.read(), 5) == b""  # and the daemon hung up
     return dict(msg["error"])
 
@@ -76,12 +86,13 @@ async def test_bad_control_frames_get_a_reason_and_others_are_still_served(
 async def test_bad_frame_mid_session_closes_only_that_session(local: LocalDaemons) -> None:
     reader, writer = await _control(local)
     writer.write(encode(message("hello", role="sender", name="rogue", transports=["tcp"])))
-    welcome = await read_message(reader, CONTROL)
-    assert welcome is not None and welcome["t"] == "welcome"
+    decoder = FrameDecoder(CONTROL)
+    welcome = await _read_control(reader, decoder)
+    assert welcome["t"] == "welcome"
     writer.write(encode(message("connect", params={})))
-    assert (await read_message(reader, CONTROL) or {})["t"] == "ready"
+    assert (await _read_control(reader, decoder))["t"] == "ready"
     writer.write(encode(message("open", req="r", shape="not a dict")))
-    error = await _expect_error_then_close(reader)
+    error = await _expect_error_then_close(reader, decoder)
     assert "expected dict" in error["message"]
     await _push_ok(local, "after-rogue")
 

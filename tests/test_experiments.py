@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.run import overlap, sweep
+from kvctl.run import chunk_sweep, overlap
 from kvctl.run.progress import PhaseProgress
 from kvwired.client import SenderClient
 from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
@@ -46,7 +46,7 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
             phases.append(phase)
             super().update(phase, done, total)
 
-    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST), Recording(enabled=False))
+    run = await chunk_sweep.run_sweep(roomy.sender_socket, dict(FAST), Recording(enabled=False))
     assert run.error is None and run.complete
     assert [row["size"] for row in run.rows] == SIZES
     for row in run.rows:
@@ -69,14 +69,15 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     await asyncio.sleep(0.05)
     assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
     assert roomy.sender.staging is not None and roomy.sender.staging.used_bytes == 0
-    assert not roomy.receiver.echoes and not roomy.receiver.leases
-    text = sweep.render(run)
+    assert not roomy.receiver.leases
+    assert all(not getattr(service, "echoes", {}) for service in roomy.receiver.services)
+    text = chunk_sweep.render(run)
     assert "knee: " in text and "recommended streaming chunk" in text
 
 
 async def test_sweep_outputs_csv_json_and_plots(roomy: LocalDaemons, tmp_path: Path) -> None:
-    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST), quiet())
-    paths = sweep.write_outputs(run, tmp_path / "out")
+    run = await chunk_sweep.run_sweep(roomy.sender_socket, dict(FAST), quiet())
+    paths = chunk_sweep.write_outputs(run, tmp_path / "out")
     names = sorted(p.name for p in paths)
     assert names == ["chunk-sweep-bandwidth.png", "chunk-sweep-latency.png", "chunk-sweep.csv",
                      "chunk-sweep.json"]
@@ -107,20 +108,20 @@ async def test_sweep_against_a_receiver_that_disappears_keeps_the_rows_it_has(
     killer = asyncio.create_task(kill_receiver())
     params = dict(FAST, iters=400)
     run = await asyncio.wait_for(
-        sweep.run_sweep(roomy.sender_socket, params, StopAfterFirstRow(enabled=False)), 30)
+        chunk_sweep.run_sweep(roomy.sender_socket, params, StopAfterFirstRow(enabled=False)), 30)
     await killer
     assert isinstance(run.error, KvwireError) and not run.complete
     assert isinstance(run.error, PeerLost | ExperimentFailed)
     assert [row["size"] for row in run.rows] == [512, 8192]
-    paths = sweep.write_outputs(run, tmp_path / "partial")
+    paths = chunk_sweep.write_outputs(run, tmp_path / "partial")
     document = json.loads(paths[0].read_text())
     assert document["complete"] is False and document["error"]["message"]
     assert len(document["rows"]) == 2
-    assert "INCOMPLETE" in sweep.render(run)
+    assert "INCOMPLETE" in chunk_sweep.render(run)
 
 
 async def test_sweep_with_perftest_over_tcp_is_refused_clearly(roomy: LocalDaemons) -> None:
-    run = await sweep.run_sweep(roomy.sender_socket, dict(FAST, sizes=[512],
+    run = await chunk_sweep.run_sweep(roomy.sender_socket, dict(FAST, sizes=[512],
                                                           baseline="perftest"), quiet())
     assert run.error is not None and "needs RDMA" in run.error.message
     assert "transport = verbs" in run.error.hint

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.lab import perftest
+from kvctl.lab import link_perftest as perftest
 from kvctl.lab.machine import LabState, run_in
 
 pytestmark = pytest.mark.lab

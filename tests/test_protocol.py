@@ -1,11 +1,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import struct
 from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvwired.errors import (
     FrameTooLarge,
@@ -20,12 +24,14 @@ from kvwired.protocol import (
     MAX_FRAME,
     RECEIVER_LOCAL,
     SENDER_LOCAL,
+    FrameDecoder,
+    Message,
     Schema,
     decode,
     encode,
     message,
-    read_message,
 )
+from kvwired.stream import MessageStream
 
 ERR = {"code": "pool_full", "message": "m", "hint": "h"}
 EXAMPLES: list[tuple[Schema, dict[str, Any]]] = [
@@ -86,28 +92,81 @@ def test_malformed_frames_are_rejected_with_reason(
         decode(body, CONTROL)
 
 
-async def _read(data: bytes) -> dict[str, Any] | None:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    return await read_message(reader, CONTROL)
+def _decode_all(data: bytes, pieces: list[int] | None = None) -> list[Message]:
+    """Feed ``data`` cut at ``pieces`` offsets; every message, then the end of stream."""
+    decoder = FrameDecoder(CONTROL)
+    cuts = sorted({0, len(data), *(p % (len(data) + 1) for p in pieces or [])})
+    out: list[Message] = []
+    for start, end in itertools.pairwise(cuts):
+        decoder.feed(data[start:end])
+        while (msg := decoder.next_message()) is not None:
+            out.append(msg)
+    decoder.end_of_stream()
+    return out
 
 
-async def test_stream_framing() -> None:
-    assert await _read(encode(message("ping"))) == message("ping")
-    assert await _read(b"") is None  # clean end of stream
+def test_decoder_frames_and_clean_end() -> None:
+    assert _decode_all(encode(message("ping"))) == [message("ping")]
+    assert _decode_all(b"") == []  # clean end of stream
 
 
-async def test_oversized_frame_is_refused_before_reading_it() -> None:
+def test_oversized_frame_is_refused_from_its_header_alone() -> None:
+    decoder = FrameDecoder(CONTROL)
+    decoder.feed(struct.pack(">I", MAX_FRAME + 1))
     with pytest.raises(FrameTooLarge, match="limit"):
-        await _read(struct.pack(">I", MAX_FRAME + 1))
+        decoder.next_message()
 
 
-async def test_truncated_frames() -> None:
+def test_truncated_frames() -> None:
     with pytest.raises(ProtocolError, match="inside a frame header"):
-        await _read(b"\x00\x00")
+        _decode_all(b"\x00\x00")
     with pytest.raises(ProtocolError, match="inside a frame"):
-        await _read(struct.pack(">I", 100) + b"abc")
+        _decode_all(struct.pack(">I", 100) + b"abc")
+
+
+CONTROL_EXAMPLES = [msg for schema, msg in EXAMPLES if schema is CONTROL]
+
+
+@given(st.lists(st.sampled_from(CONTROL_EXAMPLES), max_size=20),
+       st.lists(st.integers(min_value=0, max_value=1 << 16), max_size=30))
+def test_messages_survive_any_cutting_of_the_stream(
+        messages: list[Message], cuts: list[int]) -> None:
+    data = b"".join(encode(msg) for msg in messages)
+    assert _decode_all(data, cuts) == messages
+
+
+@given(st.binary(max_size=512), st.lists(st.integers(min_value=0, max_value=600), max_size=8))
+def test_any_bytes_give_messages_or_a_protocol_error(data: bytes, cuts: list[int]) -> None:
+    with contextlib.suppress(ProtocolError):
+        _decode_all(data, cuts)
+
+
+INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
+
+
+@given(st.dictionaries(st.text(max_size=8), st.none() | st.booleans() | INT64
+                       | st.floats() | st.text(max_size=8) | st.binary(max_size=8)
+                       | st.lists(INT64, max_size=3), max_size=6),
+       st.sampled_from(sorted(CONTROL)))
+def test_any_map_validates_or_is_a_protocol_error(fields: dict[str, Any], kind: str) -> None:
+    for candidate in (fields, {**fields, "t": kind, "v": 1}):
+        try:
+            msg = decode(_body(candidate), CONTROL)
+        except ProtocolError:
+            continue
+        assert msg["t"] in CONTROL
+
+
+async def test_message_stream_reads_through_the_decoder() -> None:
+    reader = asyncio.StreamReader()
+    data = encode(message("ping")) + encode(message("credits", n=2))
+    for i in range(0, len(data), 3):  # as a slow peer would send it
+        reader.feed_data(data[i : i + 3])
+    reader.feed_eof()
+    stream = MessageStream(reader, None, CONTROL)  # type: ignore[arg-type]
+    assert await stream.receive() == message("ping")
+    assert await stream.receive() == message("credits", n=2)
+    assert await stream.receive() is None
 
 
 def test_refuses_to_send_oversized_frame() -> None:

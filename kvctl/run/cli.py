@@ -1,4 +1,4 @@
-"""``kvctl run chunk-sweep|overlap`` and ``kvctl probe``: flags and the glue to the runners."""
+"""``kvctl run chunk-sweep|overlap``: flags and the glue to the runners."""
 
 from __future__ import annotations
 
@@ -50,15 +50,6 @@ def add_parsers(commands: Any) -> None:
                          help="your prefill's compute time per layer (e.g. 0.6ms), to place "
                          "the deployment against the ridge")
 
-    probe = commands.add_parser("probe", help="RDMA devices, GIDs, memlock and the PCIe link")
-    probe.add_argument("--dev", default="", help="only this RDMA device")
-    probe.add_argument("--to", help="a peer address: show the GID kvwire would use towards it")
-    probe.add_argument("--config", action="append", type=Path,
-                       help="daemon config(s) whose pools memlock must cover (default: "
-                       "/etc/kvwire/*.toml if present)")
-    probe.add_argument("--json", action="store_true")
-    probe.add_argument("--out", type=Path, help="also write probe.json into this directory")
-
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", help="receiver name (default: the sender's only one)")
@@ -100,9 +91,9 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 async def _chunk_sweep(args: argparse.Namespace) -> int:
-    from kvwired.sweep import DEFAULT_SIZES
+    from kvwired.experiments.spec import DEFAULT_SIZES
 
-    from . import sweep
+    from . import chunk_sweep
 
     params: dict[str, Any] = {
         "peer": args.peer or "", "sizes": args.sizes or list(DEFAULT_SIZES),
@@ -110,9 +101,9 @@ async def _chunk_sweep(args: argparse.Namespace) -> int:
         "stream_bytes": args.stream_bytes, "deliver": not args.no_deliver,
         "baseline": args.baseline or ""}
     progress = PhaseProgress(enabled=not args.quiet)
-    run = await sweep.run_sweep(args.socket, params, progress)
-    return _finish(args, run.document(), sweep.render(run),
-                   lambda out: sweep.write_outputs(run, out), run.error)
+    run = await chunk_sweep.run_sweep(args.socket, params, progress)
+    return _finish(args, run.document(), chunk_sweep.render(run),
+                   lambda out: chunk_sweep.write_outputs(run, out), run.error)
 
 
 async def _overlap(args: argparse.Namespace) -> int:
@@ -146,16 +137,3 @@ def _finish(args: argparse.Namespace, document: dict[str, Any], text: str,
         raise error
     return 0
 
-
-def probe_main(args: argparse.Namespace) -> int:
-    from .. import probe
-
-    result = probe.probe(args.dev, args.to, args.config)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(probe.render(result))
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "probe.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    return 0

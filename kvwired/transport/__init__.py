@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from ..config import CommonConfig, ReceiverConfig, parse_address
+from dataclasses import dataclass
+
 from ..rdma import rdma_available
 from .base import DataChannel, Initiator, RemoteRegion, Responder, Transport, Write
 
-__all__ = ["DataChannel", "Initiator", "RemoteRegion", "Responder", "Transport", "Write",
-           "make_transport", "resolve"]
+__all__ = ["DataChannel", "Initiator", "RemoteRegion", "Responder", "Transport",
+           "TransportOptions", "Write", "make_transport", "resolve"]
 
 
 def resolve(name: str) -> str:
@@ -17,27 +18,35 @@ def resolve(name: str) -> str:
     return name
 
 
-# A sender responds only to the echo channel of an experiment (kvctl run),
-# which has one ping in flight at a time.
-SENDER_RECEIVE_DEPTH = 16
+@dataclass(frozen=True)
+class TransportOptions:
+    """What a daemon asks of its data path; each transport takes what applies to it."""
+
+    name: str = "auto"
+    rdma_device: str = ""
+    gid_index: int = -1
+    poll_spin_us: float = 0.0
+    # Receives kept posted per connected initiator (verbs).
+    receive_depth: int = 64
+    # TCP: where the data listener binds, and whether it binds at start (the
+    # receiver) or on first use (a sender answering an experiment's echo).
+    listen_host: str = "0.0.0.0"
+    data_port: int = 0
+    listen_at_start: bool = False
 
 
-def make_transport(config: CommonConfig) -> Transport:
-    name = resolve(config.transport)
+def make_transport(options: TransportOptions) -> Transport:
+    name = resolve(options.name)
     if name == "verbs":
         from .verbs import VerbsTransport
 
-        # Both pools accept remote writes: the sender's only from the echo
-        # channel a receiver opens back to it, since no other QP in its
+        # Both daemons' pools accept remote writes: the sender's only from the
+        # echo channel a receiver opens back to it, since no other QP in its
         # protection domain ever learns the key.
-        return VerbsTransport(
-            device=config.rdma_device, gid_index=config.gid_index,
-            receive_depth=config.credits if isinstance(config, ReceiverConfig)
-            else SENDER_RECEIVE_DEPTH,
-            remote_write=True, spin_us=config.poll_spin_us)
+        return VerbsTransport(device=options.rdma_device, gid_index=options.gid_index,
+                              receive_depth=options.receive_depth, remote_write=True,
+                              spin_us=options.poll_spin_us)
     from .tcp import TcpTransport
 
-    if isinstance(config, ReceiverConfig):
-        return TcpTransport(parse_address(config.listen, 7471)[0], config.data_port,
-                            listen=True)
-    return TcpTransport()
+    return TcpTransport(options.listen_host, options.data_port,
+                        listen=options.listen_at_start)

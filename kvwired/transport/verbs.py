@@ -117,11 +117,10 @@ STATUS_NAMES = {
 
 def completion_error(status: int, qp_num: int, what: str) -> TransportError:
     text = cqe_status_to_str(status)
-    error = TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
-                           hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
-                                          "the next request"))
-    error.status = STATUS_NAMES.get(status, f"status_{status}")
-    return error
+    return TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
+                          hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
+                                         "the next request"),
+                          status=STATUS_NAMES.get(status, f"status_{status}"))
 
 
 class _Device:

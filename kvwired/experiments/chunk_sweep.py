@@ -18,89 +18,30 @@ by a vanished receiver still leaves every row it measured.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
-from . import analysis, perftest
-from .config import parse_address
+from .. import analysis
+from ..config import parse_address
+from ..errors import ExperimentFailed, KvwireError, PerftestFailed
+from ..layout import KVLayout
+from ..protocol import Message, message
+from ..rdma import pick_gid
+from ..transport.base import DataChannel
+from ..units import format_size
+from . import perftest
 from .echo import EchoInitiator
-from .errors import (
-    ExperimentFailed,
-    KvwireError,
-    PerftestFailed,
-    UnknownPeer,
-    UsageError,
-    from_wire,
-)
-from .layout import KVLayout
-from .protocol import Message, message
-from .rdma import pick_gid
-from .units import format_size, parse_size
+from .host import PeerHandle, Report, SenderHost
+from .spec import SweepParams
 
-if TYPE_CHECKING:
-    from .sender import PeerLink, SenderDaemon
+log = structlog.get_logger("kvwired.experiments.chunk_sweep")
 
-log = structlog.get_logger("kvwired.sweep")
-
-MiB = 1 << 20
-DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
-                 8 * MiB, 48 * MiB)
 PERFTEST_TRIES = 3
 PROGRESS_EVERY = 0.2  # seconds between progress messages
-
-
-@dataclass(frozen=True)
-class SweepParams:
-    peer: str
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    iters: int = 1000
-    # Bytes moved per size, both ways, at most, for the ping-pong: large sizes
-    # get fewer round trips (at least MIN_PINGS).
-    latency_bytes: int = 64 * MiB
-    stream_bytes: int = 64 * MiB
-    deliver: bool = True
-    baseline: str = ""
-    ping_timeout: float = 10.0
-
-    MIN_PINGS = 3
-    MIN_STREAM = 2
-
-    @classmethod
-    def from_wire(cls, params: dict[str, Any]) -> SweepParams:
-        try:
-            sizes = tuple(parse_size(s) for s in params.get("sizes") or DEFAULT_SIZES)
-            built = cls(
-                peer=str(params.get("peer") or ""), sizes=sizes,
-                iters=int(params.get("iters", 1000)),
-                latency_bytes=parse_size(params.get("latency_bytes", 64 * MiB)),
-                stream_bytes=parse_size(params.get("stream_bytes", 64 * MiB)),
-                deliver=bool(params.get("deliver", True)),
-                baseline=str(params.get("baseline") or ""),
-                ping_timeout=float(params.get("ping_timeout", 10.0)))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"bad chunk-sweep parameters: {exc}") from exc
-        if not sizes or min(sizes) < 1 or len(sizes) > 64:
-            raise UsageError("chunk-sweep takes 1 to 64 positive sizes")
-        if built.iters < 1:
-            raise UsageError("--iters must be at least 1")
-        if built.baseline not in ("", "perftest"):
-            raise UsageError(f"unknown baseline {built.baseline!r}", hint="use perftest")
-        return built
-
-    def pings(self, size: int) -> int:
-        return max(self.MIN_PINGS, min(self.iters, self.latency_bytes // (2 * size)))
-
-    def stream_writes(self, size: int) -> int:
-        return max(self.MIN_STREAM, self.stream_bytes // size)
-
-
-Report = Callable[[Message], None]
 
 
 @dataclass
@@ -118,7 +59,7 @@ class _Progress:
 
 @dataclass
 class ChunkSweep:
-    daemon: SenderDaemon
+    daemon: SenderHost
     params: SweepParams
     req: str
     report: Report
@@ -126,16 +67,11 @@ class ChunkSweep:
 
     async def run(self) -> dict[str, Any]:
         daemon, params = self.daemon, self.params
-        peer = params.peer or (next(iter(daemon.links)) if len(daemon.links) == 1 else "")
-        link = daemon.links.get(peer)
-        if link is None:
-            raise UnknownPeer(f"no receiver named {params.peer!r} is configured",
-                              hint=f"known peers: {', '.join(sorted(daemon.links)) or 'none'}")
+        link = daemon.link(params.peer)
         progress = _Progress(self.req, self.report)
         await link.ensure()
-        assert daemon.staging is not None
         region = max(params.sizes)
-        slot = await daemon.staging.reserve(region, daemon.config.staging_wait)
+        slot = await daemon.reserve_staging(region)
         echo = EchoInitiator(self.req, link.name, slot, list(params.sizes))
         try:
             await self._open_echo(link, echo)
@@ -156,10 +92,10 @@ class ChunkSweep:
                     k: v for k, v in row.items() if not isinstance(v, list)})
         finally:
             self._close_echo(link, echo)
-            daemon.staging.release(slot)
+            daemon.release_staging(slot)
         return self.summary(link)
 
-    async def _measure(self, link: PeerLink, echo: EchoInitiator, index: int, size: int,
+    async def _measure(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
         row: dict[str, Any] = {"size": size}
         row.update(await self._latency(link, echo, index, size, progress))
@@ -172,25 +108,27 @@ class ChunkSweep:
 
     # ------------------------------------------------------------ echo
 
-    async def _open_echo(self, link: PeerLink, echo: EchoInitiator) -> None:
-        offer = await link.request(message("echo_open", req=self.req, bytes=echo.slot.length,
-                                           sizes=echo.sizes))
+    async def _open_echo(self, link: PeerHandle, echo: EchoInitiator) -> None:
+        offer = await link.request(
+            message("echo_open", req=self.req, bytes=echo.slot.length, sizes=echo.sizes),
+            undo=_close_unwanted_echo)
         echo.lease, echo.remote_offset = offer["lease"], offer["offset"]
-        link.echoes[echo.lease] = echo
-        assert link.conn is not None
+        link.attach(echo.lease, echo)
         echo.responder = self.daemon.transport.responder(
-            link.conn.local_host, echo.on_immediate, echo.fail)
+            link.local_host, echo.on_immediate, echo.fail)
         answer = await echo.responder.accept(offer["params"])
         await link.request(message("echo_answer", req=self.req, lease=echo.lease,
-                                   reply_offset=echo.slot.offset, params=answer))
+                                   reply_offset=echo.slot.offset, params=answer),
+                           undo=_close_unwanted_echo)
 
-    def _close_echo(self, link: PeerLink, echo: EchoInitiator) -> None:
-        if link.echoes.pop(echo.lease, None) is not None:
+    def _close_echo(self, link: PeerHandle, echo: EchoInitiator) -> None:
+        if echo.lease:
+            link.detach(echo.lease)
             link.send(message("echo_close", req=self.req, lease=echo.lease))
         if echo.responder is not None:
             echo.responder.close()
 
-    def _channel(self, link: PeerLink, echo: EchoInitiator) -> Any:
+    def _channel(self, link: PeerHandle, echo: EchoInitiator) -> DataChannel:
         echo.check()
         if not link.connected or link.channel is None:
             raise ExperimentFailed(f"receiver {link.name} went away during the sweep")
@@ -198,7 +136,7 @@ class ChunkSweep:
 
     # ----------------------------------------------------- measurements
 
-    async def _latency(self, link: PeerLink, echo: EchoInitiator, index: int, size: int,
+    async def _latency(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
         pings = self.params.pings(size)
         warmup = min(10, max(1, pings // 10))
@@ -215,7 +153,7 @@ class ChunkSweep:
                 "lat_p99_us": lat.p99_us, "lat_p999_us": lat.p999_us,
                 "lat_mean_us": lat.mean_us, "half_rtt_us": [r / 2 * 1e6 for r in rtts]}
 
-    async def _stream(self, link: PeerLink, echo: EchoInitiator, size: int,
+    async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
         count = self.params.stream_writes(size)
         phase = f"stream {format_size(size)}"
@@ -225,19 +163,20 @@ class ChunkSweep:
                 "stream_seconds": seconds, "stream_gbps": analysis.gbps(count * size, seconds),
                 "stream_writes_per_s": count / seconds if seconds else 0.0}
 
-    async def _deliver(self, link: PeerLink, size: int,
+    async def _deliver(self, link: PeerHandle, size: int,
                        progress: _Progress) -> dict[str, Any]:
         """The reference cache through the request path, as an engine would push it."""
         layout = KVLayout()
         phase = f"deliver 48 MiB at {format_size(size)}"
         progress(phase, 0, 1, force=True)
-        timings = await push_internally(self.daemon, link.name, layout, size)
+        req = f"{self.req}-deliver-{size}-{uuid.uuid4().hex[:8]}"
+        timings = await self.daemon.push(req, link.name, layout.shape(), size, discard=True)
         progress(phase, 1, 1)
         return {"deliver_seconds": timings["total_seconds"],
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    async def _perftest(self, link: PeerLink, size: int,
+    async def _perftest(self, link: PeerHandle, size: int,
                         progress: _Progress) -> dict[str, Any]:
         if self.daemon.transport.name != "verbs":
             raise PerftestFailed(
@@ -257,19 +196,19 @@ class ChunkSweep:
                 "perftest_lat_p99_us": lat.p99_us, "perftest_lat_p999_us": lat.p999_us,
                 "perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
 
-    async def _perftest_pair(self, link: PeerLink, tool: str, size: int, iters: int) -> str:
+    async def _perftest_pair(self, link: PeerHandle, tool: str, size: int, iters: int) -> str:
         """Server on the receiver, client here; a hung or failed run is tried again."""
-        assert link.conn is not None
         cfg = self.daemon.config
-        gid = pick_gid(link.conn.local_host, cfg.rdma_device, cfg.gid_index)
+        gid = pick_gid(link.local_host, cfg.rdma_device, cfg.gid_index)
         server_host = parse_address(link.address, 7471)[0]
         # Generous: emulated links move a few MB/s, and setup takes seconds.
         limit = 30 + 2 * size * iters / 4e6
         failures = []
         for attempt in range(PERFTEST_TRIES):
             req = f"{self.req}-{tool}-{size}-{attempt}"
-            ready = await link.request(message("baseline", req=req, tool=tool, size=size,
-                                               iters=iters))
+            ready = await link.request(
+                message("baseline", req=req, tool=tool, size=size, iters=iters),
+                undo=lambda answer: message("baseline_stop", req=answer["req"]))
             args = perftest.command(tool, gid, size, iters, ready["port"], server=server_host)
             try:
                 return await _connect_and_run(args, limit)
@@ -283,7 +222,7 @@ class ChunkSweep:
 
     # ---------------------------------------------------------- summary
 
-    def summary(self, link: PeerLink) -> dict[str, Any]:
+    def summary(self, link: PeerHandle) -> dict[str, Any]:
         bandwidth = {row["size"]: row["stream_gbps"] for row in self.rows}
         layout = KVLayout()
         knee = analysis.knee(bandwidth)
@@ -310,51 +249,17 @@ async def _connect_and_run(args: list[str], limit: float) -> str:
                              hint=out.strip()[-600:])
 
 
-_internal_ids = itertools.count(1)
+def _close_unwanted_echo(answer: Message) -> Message:
+    return message("echo_close", req=answer["req"], lease=answer["lease"])
 
 
-async def push_internally(daemon: SenderDaemon, peer: str, layout: KVLayout,
-                          chunk_bytes: int) -> dict[str, float]:
-    """Push ``layout``'s cache through the request path; its timings."""
-    from .sender import Engine
-
-    req = f"sweep-deliver-{uuid.uuid4().hex[:8]}-{next(_internal_ids)}"
-    answers: asyncio.Queue[Message] = asyncio.Queue()
-    engine = Engine(inbox=answers.put_nowait)
-    daemon.engine_message(engine, message("open", req=req, peer=peer,
-                                          shape=layout.shape().to_wire(),
-                                          chunk_bytes=chunk_bytes, discard=1))
-    while True:
-        msg = await answers.get()
-        if msg["t"] == "opened":
-            for layer in range(layout.layers):
-                daemon.engine_message(engine, message("commit", req=req, layer=layer))
-        elif msg["t"] == "finished":
-            return dict(msg["timings"])
-        elif msg["t"] == "failed":
-            raise from_wire(msg["error"])
-
-
-async def run_experiment(daemon: SenderDaemon, req: str, experiment: str,
-                         params: dict[str, Any], report: Report) -> None:
-    """Run one experiment for a local client; it hears rows, then result or failed."""
-    try:
-        if experiment != "chunk-sweep":
-            raise UsageError(f"unknown experiment {experiment!r}", hint="use chunk-sweep")
-        sweep = ChunkSweep(daemon, SweepParams.from_wire(params), req, report)
-        log.info("chunk-sweep started", req=req, peer=sweep.params.peer,
-                 sizes=list(sweep.params.sizes), baseline=sweep.params.baseline)
-        result = await sweep.run()
-    except KvwireError as exc:
-        log.warning("experiment failed", req=req, error=str(exc))
-        report(message("failed", req=req, error=exc.to_wire()))
-        return
-    except Exception as exc:
-        log.exception("internal error in an experiment", req=req)
-        report(message("failed", req=req, error=KvwireError(
-            f"internal error in the sender daemon: {exc!r}",
-            hint="this is a bug in kvwire; the daemon log has the traceback").to_wire()))
-        return
+async def run(daemon: SenderHost, req: str, params: dict[str, Any],
+              report: Report) -> dict[str, Any]:
+    """``kvctl run chunk-sweep``: rows as they finish, then the summary."""
+    sweep = ChunkSweep(daemon, SweepParams.from_wire(params), req, report)
+    log.info("chunk-sweep started", req=req, peer=sweep.params.peer,
+             sizes=list(sweep.params.sizes), baseline=sweep.params.baseline)
+    result = await sweep.run()
     log.info("chunk-sweep finished", req=req, knee=result["knee_bytes"],
              peak_gbps=result["peak_gbps"])
-    report(message("result", req=req, result=result))
+    return result

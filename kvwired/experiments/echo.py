@@ -24,14 +24,15 @@ from typing import Any
 
 import structlog
 
-from . import immediate
-from .control import ControlConnection
-from .errors import ExperimentFailed, KvwireError, ProtocolError, TransportError
-from .pool import Slot
-from .protocol import Message, message
-from .transport.base import DataChannel, Initiator, Responder, Transport, Write
+from .. import immediate
+from ..errors import ExperimentFailed, KvwireError, ProtocolError, TransportError
+from ..pool import Slot
+from ..protocol import Message, message
+from ..tasks import spawn
+from ..transport.base import DataChannel, Initiator, Responder, Transport, Write
+from .host import Connection, ReceiverHost, SessionHandle
 
-log = structlog.get_logger("kvwired.echo")
+log = structlog.get_logger("kvwired.experiments.echo")
 
 MAX_SIZES = immediate.MAX_LAYERS
 
@@ -58,7 +59,7 @@ class EchoLease:
     req: str
     slot: Slot
     sizes: list[int]
-    conn: ControlConnection
+    conn: Connection
     initiator: Initiator | None = None
     channel: DataChannel | None = None
     reply_offset: int = 0
@@ -102,6 +103,103 @@ class EchoLease:
         self.initiator = None
 
 
+class EchoService:
+    """The receiver's side of echo leases (a ``ReceiverService``)."""
+
+    messages = frozenset({"echo_open", "echo_answer", "echo_close"})
+
+    def __init__(self) -> None:
+        self._host: ReceiverHost | None = None
+        self.echoes: dict[int, EchoLease] = {}
+        self._owners: dict[int, SessionHandle] = {}
+
+    @property
+    def host(self) -> ReceiverHost:
+        assert self._host is not None, "service not bound to a receiver"
+        return self._host
+
+    def bind(self, receiver: ReceiverHost) -> None:
+        self._host = receiver
+
+    def handle(self, session: SessionHandle, msg: Message) -> None:
+        kind = msg["t"]
+        if kind == "echo_open":
+            spawn(self._open(session, msg), f"echo-{msg['req']}")
+        elif kind == "echo_answer":
+            spawn(self._answer(session, msg), f"echo-answer-{msg['req']}")
+        else:
+            echo = self.echoes.get(msg["lease"])
+            if echo is not None and self._owners.get(echo.id) is session:
+                self._close(echo)
+
+    def on_immediate(self, session: SessionHandle, lease_id: int, layer: int) -> bool:
+        echo = self.echoes.get(lease_id)
+        if echo is None or self._owners.get(lease_id) is not session:
+            return False
+        echo.answer(layer, lambda exc: self._failed(session, echo, exc))
+        return True
+
+    def session_closed(self, session: SessionHandle) -> None:
+        for echo_id, owner in list(self._owners.items()):
+            if owner is session:
+                self._close(self.echoes[echo_id])
+
+    async def _open(self, session: SessionHandle, msg: Message) -> None:
+        req, host = msg["req"], self.host
+        try:
+            sizes = check_sizes(msg["sizes"], msg["bytes"])
+            slot = await host.pool.reserve(msg["bytes"], host.config.lease_wait)
+        except KvwireError as exc:
+            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        if not session.alive:
+            host.pool.release(slot)
+            return
+        echo = EchoLease(host.allocate_lease_id(), req, slot, sizes, session.conn)
+        self.echoes[echo.id] = echo
+        self._owners[echo.id] = session
+        host.update_pool_metrics()
+        try:
+            offer = await echo.offer(host.transport)
+        except KvwireError as exc:
+            self._close(echo)
+            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        log.info("echo lease opened", req=req, sender=session.name, bytes=msg["bytes"])
+        session.conn.send(offer)
+
+    async def _answer(self, session: SessionHandle, msg: Message) -> None:
+        echo = self.echoes.get(msg["lease"])
+        try:
+            if echo is None or self._owners.get(echo.id) is not session:
+                raise ProtocolError(f"echo_answer for unknown echo lease {msg['lease']}")
+            session.conn.send(await echo.complete(msg))
+        except KvwireError as exc:
+            if echo is not None:
+                self._close(echo)
+            session.conn.send(message("refused", req=msg["req"], error=exc.to_wire()))
+
+    def _failed(self, session: SessionHandle, echo: EchoLease, error: KvwireError) -> None:
+        if self.echoes.get(echo.id) is not echo:
+            return
+        log.warning("echo channel failed", req=echo.req, sender=session.name, error=str(error))
+        self._close(echo)
+        if session.alive:
+            session.conn.send(message("abort", req=echo.req, lease=echo.id,
+                                      error=error.to_wire()))
+
+    def _close(self, echo: EchoLease) -> None:
+        if self.echoes.pop(echo.id, None) is None:
+            return
+        session = self._owners.pop(echo.id)
+        echo.close()
+        host = self.host
+        host.pool.release(echo.slot)
+        host.free_lease_id(echo.id)
+        host.update_pool_metrics()
+        log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
+
+
 # --------------------------------------------------------------- sender side
 
 
@@ -126,7 +224,10 @@ class EchoInitiator:
                 and not pending.done():
             pending.set_result(index)
 
-    def fail(self, error: Exception) -> None:
+    def delivered(self, checksum: int) -> None:
+        """Echo leases are never delivered; the link's holder protocol asks."""
+
+    def fail(self, error: Exception, *, by_receiver: bool = False) -> None:
         if self.error is None:
             self.error = error if isinstance(error, KvwireError) else TransportError(str(error))
         if self._pending is not None and not self._pending.done():

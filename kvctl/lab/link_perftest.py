@@ -2,7 +2,7 @@
 
 The server runs on ``decode``, the client on ``prefill``, over rxe0 with the
 RoCE v2 GID (index 1 in the lab). This checks the lab link itself; the
-baseline of an experiment is run by the daemons (``kvwired.perftest``).
+baseline of an experiment is run by the daemons (``kvwired.experiments.perftest``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,12 @@ from __future__ import annotations
 import threading
 import time
 
-from kvwired.perftest import BandwidthFigures, LatencyFigures, parse_bandwidth, parse_latency
+from kvwired.experiments.perftest import (
+    BandwidthFigures,
+    LatencyFigures,
+    parse_bandwidth,
+    parse_latency,
+)
 
 from .daemons import DECODE_ADDRESS
 from .machine import LabError, LabState, run_in

@@ -1,0 +1,172 @@
+"""What both daemons share: serving, readiness, draining, stopping, reloading.
+
+``Daemon`` is the base of the receiver and the sender; ``run`` carries one
+through its life under systemd or in a terminal. Under systemd
+(Type=notify) a daemon reports READY=1 once serving, STATUS= lines and
+STOPPING=1, and the watchdog is fed from the same event loop as the data
+path, so a keep-alive proves the loop turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from typing import ClassVar
+
+import structlog
+
+from .config import CommonConfig, parse_address
+from .errors import KvwireError
+from .localsock import ClientHandler, serve_unix
+from .metrics import Metrics
+from .systemd import Notifier
+from .tasks import spawn
+
+log = structlog.get_logger("kvwired")
+
+STATUS_EVERY = 10.0  # seconds between STATUS= updates to systemd
+DRAIN_POLL = 0.05  # seconds between looks at what is still in flight while draining
+
+LiveSample = tuple[str, str, list[str], list[str], float]
+
+
+class Daemon(ABC):
+    """One daemon process: its config, metrics, listeners and drain."""
+
+    role: ClassVar[str]
+
+    def __init__(self, config: CommonConfig, socket_path: str) -> None:
+        self.config = config
+        self.socket_path = socket_path
+        self.metrics = Metrics(self.role)
+        self.metrics.live.sources.append(self.live_metrics)
+        self.metrics_port = 0
+        self.draining = False
+        self._servers: list[asyncio.AbstractServer] = []
+        self._local_server: asyncio.AbstractServer | None = None
+
+    # ------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Pools, transport, listeners; ``serve_local`` last (readiness)."""
+
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Requests a drain waits for."""
+
+    @abstractmethod
+    def status_line(self) -> str: ...
+
+    @abstractmethod
+    def live_metrics(self) -> Iterator[LiveSample]:
+        """Gauges read at scrape time."""
+
+    @abstractmethod
+    def stop_accepting(self) -> None:
+        """Refuse new work: close the listeners a drain closes."""
+
+    @abstractmethod
+    async def say_goodbye(self) -> None:
+        """Tell every peer this daemon is stopping, and drop the connections."""
+
+    def reload(self, fresh: CommonConfig) -> None:
+        """Apply a re-read configuration (SIGHUP)."""
+        log.info("SIGHUP: nothing to reload", role=self.role,
+                 hint="the receiver's settings take effect on restart")
+
+    # ------------------------------------------------------------- shared
+
+    def serve_metrics(self) -> None:
+        self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
+
+    def add_server(self, server: asyncio.AbstractServer) -> None:
+        self._servers.append(server)
+
+    async def serve_local(self, handler: ClientHandler) -> None:
+        """The unix socket for engines. It comes last: once it accepts, the
+        daemon is ready (pools, transport and listeners are up)."""
+        self._local_server = await serve_unix(self.socket_path, handler)
+        self._servers.append(self._local_server)
+
+    async def drain(self, timeout: float) -> int:
+        """Refuse new work; let what is in flight finish within ``timeout``.
+
+        Returns how much was still in flight when the time ran out (it fails
+        when the daemon stops).
+        """
+        self.draining = True
+        self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight() and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL)
+        left = self.in_flight()
+        if left:
+            log.warning("drain timed out", role=self.role, in_flight=left, timeout=timeout)
+        return left
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.close()
+        await self.say_goodbye()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+
+async def run(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None = None) -> None:
+    """Run ``daemon`` until SIGTERM/SIGINT, then drain it and stop.
+
+    SIGHUP re-reads the configuration through ``reload_config`` and hands it
+    to the daemon.
+    """
+    config = daemon.config
+    notifier = Notifier()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, lambda: _reload(daemon, reload_config, notifier))
+    try:
+        await daemon.start()
+    except BaseException:
+        notifier.notify("STATUS=failed to start")
+        raise
+    notifier.ready(daemon.status_line())
+    background = [spawn(notifier.keep_alive(), "watchdog"),
+                  spawn(_report_status(daemon, notifier), "status")]
+    await stop.wait()
+    log.info("stopping", role=daemon.role, drain_timeout=config.drain_timeout)
+    notifier.stopping(f"draining: up to {config.drain_timeout:g} s for requests in flight")
+    left = await daemon.drain(config.drain_timeout)
+    notifier.stopping("stopping" + (f": {left} requests failed by the drain timeout"
+                                    if left else ""))
+    for task in background:
+        task.cancel()
+    await daemon.stop()
+    log.info("stopped", role=daemon.role, unfinished=left)
+    notifier.close()
+
+
+async def _report_status(daemon: Daemon, notifier: Notifier) -> None:
+    while True:
+        await asyncio.sleep(STATUS_EVERY)
+        notifier.status(daemon.status_line())
+
+
+def _reload(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None,
+            notifier: Notifier) -> None:
+    if reload_config is None:
+        daemon.reload(daemon.config)
+        return
+    notifier.notify("RELOADING=1")
+    try:
+        daemon.reload(reload_config())
+    except KvwireError as exc:
+        log.error("SIGHUP: configuration not reloaded", error=exc.message, hint=exc.hint)
+    finally:
+        notifier.notify("READY=1", f"STATUS={daemon.status_line()}")

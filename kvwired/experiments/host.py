@@ -1,0 +1,108 @@
+"""The surface of the daemons that experiments may use, as typed protocols.
+
+Experiments import nothing from ``kvwired.sender`` or ``kvwired.receiver``:
+the daemons satisfy these protocols structurally, and mypy checks that they
+do where ``kvwired.cli`` hands the experiments in. Anything an experiment
+needs and does not find here is a change to the daemons' public surface,
+made on purpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+from ..config import ReceiverConfig, SenderConfig
+from ..errors import KvwireError
+from ..layout import RequestShape
+from ..pool import Pool, Slot
+from ..protocol import Message
+from ..transport.base import DataChannel, Transport
+
+Report = Callable[[Message], None]
+
+
+class Connection(Protocol):
+    """A control connection between the daemons."""
+
+    @property
+    def local_host(self) -> str: ...
+
+    def send(self, msg: Message) -> None: ...
+
+
+# ------------------------------------------------------------- sender side
+
+
+class LeaseHolder(Protocol):
+    def delivered(self, checksum: int) -> None: ...
+
+    def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None: ...
+
+
+class PeerHandle(Protocol):
+    """The sender's link to one receiver."""
+
+    name: str
+    address: str
+    channel: DataChannel | None
+
+    @property
+    def connected(self) -> bool: ...
+
+    @property
+    def local_host(self) -> str: ...
+
+    async def ensure(self) -> None: ...
+
+    async def request(self, msg: Message,
+                      undo: Callable[[Message], Message | None] | None = None) -> Message: ...
+
+    def send(self, msg: Message) -> None: ...
+
+    async def take_credit(self) -> None: ...
+
+    def attach(self, lease: int, holder: LeaseHolder) -> None: ...
+
+    def detach(self, lease: int) -> None: ...
+
+
+class SenderHost(Protocol):
+    config: SenderConfig
+    transport: Transport
+
+    def link(self, peer: str) -> PeerHandle: ...
+
+    async def push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
+                   discard: bool = True) -> dict[str, float]: ...
+
+    def reserve_staging(self, length: int) -> Awaitable[Slot]: ...
+
+    def release_staging(self, slot: Slot) -> None: ...
+
+
+# ----------------------------------------------------------- receiver side
+
+
+class SessionHandle(Protocol):
+    """One sender connected to the receiver."""
+
+    name: str
+    alive: bool
+
+    @property
+    def conn(self) -> Connection: ...
+
+
+class ReceiverHost(Protocol):
+    config: ReceiverConfig
+    transport: Transport
+
+    @property
+    def pool(self) -> Pool: ...
+
+    def allocate_lease_id(self) -> int: ...
+
+    def free_lease_id(self, lease_id: int) -> None: ...
+
+    def update_pool_metrics(self) -> None: ...

@@ -1,0 +1,274 @@
+"""The sender daemon (prefill node): wiring, life cycle, metrics.
+
+Prefill engines open pushes on the unix socket, write layers into the
+shared staging pool and commit them; the push driver posts each layer's
+chunks as one-sided writes into the slot the receiver leased. One
+``PeerLink`` holds the control connection and data channel to one receiver.
+
+Experiments are handed in at wiring time (``kvwired.cli``) as named
+coroutines; the daemon offers them its public surface (``push``,
+``link``, staging and transport) and knows nothing else of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import Any
+
+import structlog
+
+from ..config import SenderConfig
+from ..daemon import Daemon, LiveSample
+from ..errors import (
+    KvwireError,
+    ProtocolError,
+    RequestRefused,
+    UnknownPeer,
+    UsageError,
+    internal_error,
+)
+from ..layout import RequestShape
+from ..localsock import close_quietly, local_session, reject
+from ..pool import Pool, Slot
+from ..protocol import SENDER_LOCAL, Message, encode, message
+from ..tasks import spawn
+from ..transport import Transport, TransportOptions, make_transport
+from ..units import format_size
+from .engines import EngineSession
+from .link import PeerLink
+from .push import Push, PushDriver, Timings
+
+log = structlog.get_logger("kvwired.sender")
+
+Report = Callable[[Message], None]
+# An experiment the daemon runs for ``kvctl run``: (daemon, request id,
+# parameters, report) -> result. It reports progress and rows as it goes.
+Experiment = Callable[["SenderDaemon", str, dict[str, Any], Report],
+                      Awaitable[dict[str, Any]]]
+
+# A sender responds only to the echo channel of an experiment (kvctl run),
+# which has one ping in flight at a time.
+SENDER_RECEIVE_DEPTH = 16
+RETIRE_POLL = 0.05  # seconds between looks at a retired link's pushes
+
+
+class SenderDaemon(Daemon):
+    role = "sender"
+
+    def __init__(self, config: SenderConfig,
+                 experiments: Mapping[str, Experiment] | None = None) -> None:
+        super().__init__(config, config.socket)
+        self.config: SenderConfig = config
+        self.experiments = dict(experiments or {})
+        self.transport: Transport = make_transport(TransportOptions(
+            name=config.transport, rdma_device=config.rdma_device,
+            gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
+            receive_depth=SENDER_RECEIVE_DEPTH))
+        self.links = {name: self._new_link(name, addr) for name, addr in config.peers.items()}
+        self._staging: Pool | None = None
+        self._driver: PushDriver | None = None
+
+    def _new_link(self, name: str, address: str) -> PeerLink:
+        return PeerLink(name, address, self.config, self.transport, self.metrics)
+
+    @property
+    def staging(self) -> Pool:
+        assert self._staging is not None, "sender not started"
+        return self._staging
+
+    @property
+    def driver(self) -> PushDriver:
+        assert self._driver is not None, "sender not started"
+        return self._driver
+
+    @property
+    def pushes(self) -> dict[str, Push]:
+        return self.driver.pushes
+
+    # ----------------------------------------------------------- life cycle
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._staging = Pool(cfg.staging_size, "staging", "staging_size", full_hint=(
+            "each push holds staging memory until delivered; raise staging_size"))
+        self._driver = PushDriver(cfg, self._staging, self.metrics)
+        await self.transport.start(self._staging.memory)
+        self.serve_metrics()
+        await self.serve_local(self._serve_engine)
+        for link in self.links.values():
+            spawn(link.keep_connected(), f"link-{link.name}")
+        self.driver.update_pool_metrics()
+        log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
+                 staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
+                 chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
+
+    def live_metrics(self) -> Iterator[LiveSample]:
+        for name, link in list(self.links.items()):
+            channel = link.channel
+            yield ("kvwire_peer_up", "1 while the control and data connections to the "
+                   "receiver are up", ["peer"], [name], float(link.connected))
+            yield ("kvwire_credits", "immediates the receiver will still take (its free "
+                   "receives)", ["peer"], [name], float(link.credits if link.connected else 0))
+            yield ("kvwire_writes_in_flight", "writes posted and not yet placed remotely",
+                   ["peer"], [name], float(channel.pending_writes if channel else 0))
+
+    def in_flight(self) -> int:
+        return len(self.pushes)
+
+    def status_line(self) -> str:
+        connected = sum(link.connected for link in self.links.values())
+        return (f"{'draining' if self.draining else 'ready'}: {connected}/{len(self.links)} "
+                f"receivers connected, {len(self.pushes)} pushes in flight, staging "
+                f"{format_size(self.staging.used_bytes)} of {format_size(self.staging.size)} used")
+
+    def stop_accepting(self) -> None:
+        # No new engines; connected ones may finish their pushes.
+        for server in self._servers:
+            server.close()
+
+    async def say_goodbye(self) -> None:
+        for link in self.links.values():
+            link.say_goodbye("the sender is shutting down")
+
+    def reload(self, fresh: Any) -> None:
+        assert isinstance(fresh, SenderConfig)
+        self.reload_peers(fresh.peers)
+
+    def reload_peers(self, peers: dict[str, str]) -> dict[str, list[str]]:
+        """Apply a new peer list; links that stay untouched keep their connections."""
+        changes: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
+        for name, link in list(self.links.items()):
+            if peers.get(name) == link.address:
+                continue
+            changes["changed" if name in peers else "removed"].append(name)
+            del self.links[name]
+            link.retired = True
+            spawn(self._retire(link), f"retire-{name}")
+        for name, address in peers.items():
+            if name not in self.links:
+                if name not in changes["changed"]:
+                    changes["added"].append(name)
+                self.links[name] = self._new_link(name, address)
+                spawn(self.links[name].keep_connected(), f"link-{name}")
+        self.config.peers = dict(peers)
+        log.info("peer list reloaded", **changes, peers=sorted(self.links))
+        return changes
+
+    async def _retire(self, link: PeerLink) -> None:
+        # Whatever already holds a lease on this link finishes; nothing new can reach it.
+        while link.holders:
+            await asyncio.sleep(RETIRE_POLL)
+        link.say_goodbye("the peer was removed from the sender's configuration")
+
+    # ------------------------------------------- the surface others build on
+
+    def link(self, peer: str) -> PeerLink:
+        """The link to receiver ``peer`` ("" names the only one, if there is one)."""
+        if not peer and len(self.links) == 1:
+            return next(iter(self.links.values()))
+        link = self.links.get(peer)
+        if link is None:
+            raise UnknownPeer(
+                f"no receiver named {peer!r} is configured",
+                hint=f"known peers: {', '.join(sorted(self.links)) or 'none'}; add it to "
+                "[peers] in the sender config",
+            )
+        return link
+
+    async def open_push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
+                        deadline: float | None = None, discard: bool = False) -> Push:
+        """Open a push; commit its layers, then await ``outcome``."""
+        if self.draining:
+            raise RequestRefused(f"the sender is shutting down; request {req} was not opened",
+                                 hint="open it on another sender, or once this one is back")
+        return await self.driver.open(req, self.link(peer), shape, chunk_bytes, deadline,
+                                      discard)
+
+    async def push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
+                   discard: bool = True) -> Timings:
+        """Push ``shape``'s bytes as they are in staging, every layer at once; its timings.
+
+        Experiments measure the request path with it, exactly as an engine
+        that commits as fast as it can would drive it.
+        """
+        push = await self.open_push(req, peer, shape, chunk_bytes, discard=discard)
+        for layer in range(shape.layers):
+            push.commit(layer)
+        return (await push.outcome).timings
+
+    def reserve_staging(self, length: int) -> Awaitable[Slot]:
+        return self.staging.reserve(length, self.config.staging_wait)
+
+    def release_staging(self, slot: Slot) -> None:
+        self.staging.release(slot)
+
+    # ------------------------------------------------------------- engines
+
+    async def _serve_engine(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        def send(msg: Message) -> None:
+            if not writer.is_closing():
+                writer.write(encode(msg))
+
+        session = EngineSession(send, self._open_for_engine, self._run_experiment)
+        welcome = message("welcome", name=self.config.name, pool_size=self.staging.size,
+                          peers=sorted(self.links))
+        self.metrics.clients.inc()
+        try:
+            await local_session(reader, writer, SENDER_LOCAL, welcome, self.staging.memory.fd,
+                                session.handle)
+        except KvwireError as exc:
+            self.metrics.protocol_errors.labels("sender_local").inc()
+            log.warning("prefill engine connection rejected", error=str(exc))
+            reject(writer, exc)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            session.closed()
+            self.metrics.clients.dec()
+            close_quietly(writer)
+
+    async def _open_for_engine(self, msg: Message) -> Push:
+        req = msg["req"]
+        try:
+            shape = RequestShape.from_wire(msg["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad shape for request {req}: {exc}") from exc
+        chunk_bytes = int(msg.get("chunk_bytes") or self.config.chunk_bytes)
+        deadline = msg.get("deadline")
+        if deadline is not None and not (math.isfinite(deadline) and deadline > 0):
+            raise UsageError(f"deadline {deadline!r} of request {req} is not a positive number "
+                             "of seconds", hint="pass seconds > 0, or no deadline")
+        try:
+            return await self.open_push(req, msg["peer"], shape, chunk_bytes,
+                                        None if deadline is None else float(deadline),
+                                        bool(msg.get("discard")))
+        except KvwireError:
+            raise
+        except Exception as exc:
+            log.exception("internal error opening a push", req=req)
+            raise internal_error(exc, "sender daemon") from exc
+
+    async def _run_experiment(self, req: str, name: str, params: dict[str, Any],
+                              report: Report) -> None:
+        """Run one experiment for a local client; it hears rows, then result or failed."""
+        try:
+            experiment = self.experiments.get(name)
+            if experiment is None:
+                raise UsageError(f"unknown experiment {name!r}",
+                                 hint=f"this daemon runs: "
+                                 f"{', '.join(sorted(self.experiments)) or 'none'}")
+            result = await experiment(self, req, params, report)
+        except KvwireError as exc:
+            log.warning("experiment failed", req=req, experiment=name, error=str(exc))
+            report(message("failed", req=req, error=exc.to_wire()))
+            return
+        except Exception as exc:
+            log.exception("internal error in an experiment", req=req)
+            report(message("failed", req=req, error=internal_error(exc, "sender daemon")
+                           .to_wire()))
+            return
+        report(message("result", req=req, result=result))

@@ -1,0 +1,109 @@
+"""The sender's unix API: one ``EngineSession`` per prefill engine connection.
+
+An engine opens pushes, commits layers and aborts; it hears ``opened``,
+``sent`` per layer placed, then ``finished`` or ``failed``, once per request.
+``kvctl run`` uses the same socket to run an experiment in the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import structlog
+
+from ..errors import DuplicateRequest, KvwireError, ProtocolError, RequestAborted, UsageError
+from ..protocol import Message, message
+from ..tasks import spawn
+from .push import Delivery, Push
+
+log = structlog.get_logger("kvwired.sender")
+
+OpenPush = Callable[[Message], Awaitable[Push]]
+RunExperiment = Callable[[str, str, dict[str, Any], Callable[[Message], None]],
+                         Coroutine[Any, Any, None]]
+
+
+class EngineSession:
+    """What one connected engine has open, and the messages it is owed."""
+
+    def __init__(self, send: Callable[[Message], None], open_push: OpenPush,
+                 run_experiment: RunExperiment) -> None:
+        self._send = send
+        self._open_push = open_push
+        self._run_experiment = run_experiment
+        self.pushes: dict[str, Push] = {}
+        self.runs: dict[str, asyncio.Task[None]] = {}
+        self.gone = False
+
+    def send(self, msg: Message) -> None:
+        if not self.gone:
+            self._send(msg)
+
+    def handle(self, msg: Message) -> None:
+        """Take one message from the engine."""
+        kind, req = msg["t"], msg.get("req", "")
+        if kind == "open":
+            spawn(self._open(msg), f"open-{req}")
+        elif kind == "run":
+            self._run(msg)
+        elif kind not in ("commit", "abort"):
+            raise ProtocolError(f"a prefill engine may not send {kind!r}")
+        elif (push := self.pushes.get(req)) is None:
+            self.send(message("failed", req=req, error=UsageError(
+                f"no open request {req!r} on this connection",
+                hint="open it first; a failed request must be opened again").to_wire()))
+        elif kind == "commit":
+            push.commit(msg["layer"])
+        else:
+            push.abort(RequestAborted(f"the prefill engine aborted request {req}"))
+
+    async def _open(self, msg: Message) -> None:
+        req = msg["req"]
+        try:
+            push = await self._open_push(msg)
+        except KvwireError as exc:
+            log.info("push refused", req=req, peer=msg["peer"], reason=str(exc))
+            self.send(message("failed", req=req, error=exc.to_wire()))
+            return
+        if self.gone:
+            push.abort(RequestAborted(
+                f"the prefill engine disconnected while request {req} was being opened"))
+            return
+        self.pushes[req] = push
+        push.on_sent = lambda layer: self.send(message("sent", req=req, layer=layer))
+        self.send(message("opened", req=req, offset=push.staging.offset,
+                          chunk_bytes=push.chunk_bytes))
+        push.outcome.add_done_callback(lambda outcome: self._ended(push, outcome))
+
+    def _ended(self, push: Push, outcome: asyncio.Future[Delivery]) -> None:
+        self.pushes.pop(push.req, None)
+        error = outcome.exception()
+        if error is None:
+            delivery = outcome.result()
+            self.send(message("finished", req=push.req, checksum=delivery.checksum,
+                              timings=delivery.timings))
+        else:
+            wire = error.to_wire() if isinstance(error, KvwireError) else {}
+            self.send(message("failed", req=push.req, error=wire))
+
+    def _run(self, msg: Message) -> None:
+        req = msg["req"]
+        if req in self.runs:
+            self.send(message("failed", req=req, error=DuplicateRequest(
+                f"experiment {req} is already running").to_wire()))
+            return
+        task = spawn(self._run_experiment(req, msg["experiment"], msg["params"], self.send),
+                     f"run-{req}")
+        self.runs[req] = task
+        task.add_done_callback(lambda _: self.runs.pop(req, None))
+
+    def closed(self) -> None:
+        """The engine left: its experiments stop, its pushes are aborted."""
+        self.gone = True
+        for run in self.runs.values():
+            run.cancel()
+        for push in list(self.pushes.values()):
+            push.abort(RequestAborted(
+                f"the prefill engine disconnected before request {push.req} was delivered"))

@@ -1,0 +1,311 @@
+"""``PeerLink``: the sender's control connection and data channel to one receiver.
+
+A link holds its connection up between requests (so ``kvwire_peer_up`` says
+whether a receiver is reachable before a request needs it), matches the
+receiver's answers to the requests that asked for them, counts the
+receiver's credits, and routes aborts to whoever holds the lease named.
+A link knows nothing of what holds a lease (a push, an experiment's echo):
+holders register themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Protocol
+
+import structlog
+
+from ..config import SenderConfig, parse_address
+from ..control import ControlConnection
+from ..errors import (
+    DuplicateRequest,
+    KvwireError,
+    PeerLost,
+    ProtocolError,
+    RequestAborted,
+    TransportError,
+    from_wire,
+)
+from ..layout import RequestShape
+from ..metrics import Metrics
+from ..protocol import CONTROL_ANSWERS, Message, message
+from ..transport.base import DataChannel, Transport
+
+log = structlog.get_logger("kvwired.sender")
+
+# What to send the receiver when an answer arrives that nobody waits for any
+# more (a deadline fired, the engine left): the undo of what it granted.
+Undo = Callable[[Message], Message | None]
+
+RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
+
+
+class LeaseHolder(Protocol):
+    """Whatever holds one of the receiver's leases on this link."""
+
+    def delivered(self, checksum: int) -> None:
+        """The receiver has every byte and says so."""
+
+    def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
+        """The receiver aborted the lease, or the link went down."""
+
+
+class PeerLink:
+    """Control connection + data channel to one named receiver."""
+
+    def __init__(self, name: str, address: str, config: SenderConfig, transport: Transport,
+                 metrics: Metrics) -> None:
+        self.name = name
+        self.address = address
+        self.config = config
+        self.transport = transport
+        self.metrics = metrics
+        self.conn: ControlConnection | None = None
+        self.channel: DataChannel | None = None
+        self.credits = 0
+        self._credit_freed = asyncio.Event()
+        self._lock = asyncio.Lock()
+        # Requests to the receiver awaiting their answer, by request id.
+        self._waiting: dict[str, tuple[asyncio.Future[Message], Undo | None]] = {}
+        self._abandoned: dict[str, Undo] = {}
+        self.holders: dict[int, LeaseHolder] = {}
+        self.ever_connected = False
+        self.retired = False
+        self.failure: KvwireError | None = None  # what broke the last data channel
+        # Series that exist from the start, so rates and alerts see zeros.
+        metrics.reconnects.labels(name)
+        metrics.peer_seen(name)
+        for status in ("connection_lost", "retry_exceeded", "rnr_retry_exceeded",
+                       "remote_access"):
+            metrics.completion_errors.labels(name, status)
+
+    @property
+    def connected(self) -> bool:
+        return (self.conn is not None and not self.conn.closed
+                and self.channel is not None and self.channel.alive)
+
+    @property
+    def local_host(self) -> str:
+        """Our own address on the control connection (the data path follows it)."""
+        if self.conn is None:
+            raise PeerLost(f"receiver {self.name} went away")
+        return self.conn.local_host
+
+    async def keep_connected(self) -> None:
+        """Hold the connection up between requests; retries back off to 30 s."""
+        backoff = 1.0
+        while not self.retired:
+            if self.connected:
+                backoff = 1.0
+            else:
+                try:
+                    await self.ensure()
+                    continue
+                except KvwireError as exc:
+                    log.debug("receiver not reachable yet", peer=self.name, error=str(exc))
+                    backoff = min(backoff * 2, RECONNECT_MAX)
+            await asyncio.sleep(1.0 if self.connected else backoff)
+
+    async def ensure(self) -> None:
+        async with self._lock:
+            if self.connected:
+                return
+            # Whatever still hangs on the old connection fails with what broke
+            # it (a completion error, say), not with "being rebuilt".
+            self.lost(self.failure or PeerLost(
+                f"connection to receiver {self.name} is being rebuilt"))
+            self.failure = None
+            await self._connect()
+
+    async def _connect(self) -> None:
+        cfg = self.config
+        host, port = parse_address(self.address, 7471)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port), cfg.connect_timeout)
+        except (OSError, TimeoutError) as exc:
+            raise PeerLost(
+                f"cannot reach receiver {self.name} at {host}:{port}: "
+                f"{getattr(exc, 'strerror', None) or exc or 'timed out'}",
+                hint="is kvwired receiver running there, and is the port reachable?",
+            ) from exc
+        conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
+        try:
+            conn.send(message("hello", role="sender", name=cfg.name,
+                              transports=[self.transport.name]))
+            welcome = await self._expect(conn, "welcome")
+            initiator = self.transport.initiator(conn.local_host)
+            try:
+                conn.send(message("connect", params=await initiator.offer()))
+                ready = await self._expect(conn, "ready")
+                self.channel = await initiator.complete(ready["params"])
+                self.channel.on_failure = self._count_failure
+            except BaseException:
+                initiator.abandon()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        self.conn = conn
+        self.credits = int(welcome["credits"])
+        if self.ever_connected:
+            self.metrics.reconnects.labels(self.name).inc()
+        self.ever_connected = True
+        conn.start_pinging()
+        conn.serve(self._dispatch, self._connection_ended, f"link-{self.name}")
+        self.metrics.peers.inc()
+        log.info("connected to receiver", peer=self.name, address=self.address,
+                 transport=self.transport.name, credits=self.credits)
+
+    def _count_failure(self, error: Exception) -> None:
+        status = error.status if isinstance(error, KvwireError) else "transport_error"
+        self.metrics.completion_errors.labels(self.name, status).inc()
+        if isinstance(error, TransportError):
+            # Named after the receiver: "outgoing data connection closed" alone
+            # does not say which of several peers went away.
+            self.failure = error.renamed(f"receiver {self.name}: {error.message}")
+
+    async def _expect(self, conn: ControlConnection, kind: str) -> Message:
+        msg = await conn.recv(self.config.connect_timeout)
+        if msg["t"] == "error":
+            raise from_wire(msg["error"])
+        if msg["t"] != kind:
+            raise ProtocolError(f"receiver {self.name} sent {msg['t']!r}, expected {kind!r}")
+        return msg
+
+    def _connection_ended(self, conn: ControlConnection, error: KvwireError) -> None:
+        if self.conn is conn:
+            log.warning("receiver connection lost", peer=self.name, error=str(error))
+            self.lost(error if isinstance(error, PeerLost) else PeerLost(
+                f"receiver {self.name}: {error}"))
+
+    def _dispatch(self, msg: Message) -> None:
+        kind = msg["t"]
+        if kind == "credits":
+            self.credits += msg["n"]
+            self._credit_freed.set()
+        elif kind in ("delivered", "abort"):
+            holder = self.holders.get(msg["lease"])
+            if holder is None:
+                return  # already ended on our side
+            if kind == "abort":
+                holder.fail(from_wire(msg["error"]), by_receiver=True)
+            else:
+                holder.delivered(msg["checksum"])
+        elif kind == "bye":
+            raise PeerLost(f"receiver {self.name} is shutting down: {msg['reason']}",
+                           hint="the next request reconnects once it is back")
+        elif kind == "error":
+            raise PeerLost(f"receiver {self.name} reported: {msg['error'].get('message')}")
+        elif kind in CONTROL_ANSWERS:
+            self._answer(msg)
+        else:
+            raise ProtocolError(f"a receiver may not send {kind!r}")
+
+    def _answer(self, msg: Message) -> None:
+        req = msg["req"]
+        waiting = self._waiting.get(req)
+        if waiting is not None and not waiting[0].done():
+            future = waiting[0]
+            if msg["t"] == "refused":
+                future.set_exception(from_wire(msg["error"]))
+            else:
+                future.set_result(msg)
+            return
+        undo = self._abandoned.pop(req, None)
+        if undo is not None and msg["t"] != "refused":
+            self._undo(undo, msg)
+
+    def _undo(self, undo: Undo, answer: Message) -> None:
+        # Nobody waits for this answer any more: give back at once what it
+        # holds. No write of ours can reach it.
+        reply = undo(answer)
+        if reply is not None:
+            self.send(reply)
+
+    async def request(self, msg: Message, undo: Undo | None = None) -> Message:
+        """Send ``msg`` and wait for the receiver's answer to its ``req``.
+
+        If the caller stops waiting (deadline, cancellation) the answer is
+        still taken when it comes, and ``undo`` says what to send back so
+        the receiver frees what it granted: no grant is ever orphaned.
+        """
+        if self.conn is None:
+            raise PeerLost(f"receiver {self.name} went away")
+        req = msg["req"]
+        if req in self._waiting:
+            raise DuplicateRequest(f"request {req} is already being opened")
+        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
+        self._waiting[req] = (future, undo)
+        self.conn.send(msg)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelling the waiting task cancels ``future`` too, unless the
+            # answer came in the same loop turn: then it is undone at once.
+            if undo is not None:
+                if future.cancelled() or not future.done():
+                    self._abandoned[req] = undo
+                elif future.exception() is None:
+                    self._undo(undo, future.result())
+            raise
+        finally:
+            self._waiting.pop(req, None)
+
+    async def open(self, req: str, shape: RequestShape, discard: bool = False) -> Message:
+        """Lease a slot for ``req``: the receiver's ``lease`` answer."""
+        fields = {"discard": 1} if discard else {}
+        return await self.request(
+            message("open", req=req, shape=shape.to_wire(), **fields),
+            undo=lambda lease: message("abort", req=lease["req"], lease=lease["lease"],
+                                       error=RequestAborted(
+                                           f"the sender stopped waiting for request "
+                                           f"{lease['req']}").to_wire()))
+
+    async def take_credit(self) -> None:
+        # One credit per immediate in flight: the receiver never sees more
+        # immediates than it has receives posted for.
+        while self.credits <= 0:
+            if not self.connected:
+                raise PeerLost(f"receiver {self.name} went away")
+            event = self._credit_freed
+            await event.wait()
+            if event is self._credit_freed:
+                self._credit_freed = asyncio.Event()
+        self.credits -= 1
+
+    def attach(self, lease: int, holder: LeaseHolder) -> None:
+        self.holders[lease] = holder
+
+    def detach(self, lease: int) -> None:
+        self.holders.pop(lease, None)
+
+    def lost(self, error: KvwireError) -> None:
+        """Fail everything in flight on this link and forget the connection."""
+        conn, channel = self.conn, self.channel
+        self.conn = self.channel = None
+        if conn is not None:
+            conn.close()
+            self.metrics.peers.dec()
+        if channel is not None:
+            channel.close()
+        for future, _ in self._waiting.values():
+            if not future.done():
+                future.set_exception(error)
+        self._waiting.clear()
+        # The receiver frees whatever a lost connection held.
+        self._abandoned.clear()
+        for holder in list(self.holders.values()):
+            holder.fail(error)
+        self._credit_freed.set()
+
+    def send(self, msg: Message) -> None:
+        if self.conn is not None:
+            self.conn.send(msg)
+
+    def say_goodbye(self, reason: str) -> None:
+        """Tell the receiver this connection ends on purpose, then drop it."""
+        self.retired = True
+        self.send(message("bye", reason=reason))
+        self.lost(PeerLost(f"connection to receiver {self.name} closed: {reason}"))

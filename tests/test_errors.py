@@ -1,0 +1,86 @@
+"""The one exception hierarchy: every class crosses a socket as itself."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import kvctl
+import kvwired
+from kvwired.errors import (
+    DeadlineExceeded,
+    KvwireError,
+    PeerLost,
+    TransportError,
+    from_wire,
+    registered,
+)
+
+
+def _import_everything() -> None:
+    for package in (kvwired, kvctl):
+        for module in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if not module.name.endswith("__main__"):  # those run the program
+                importlib.import_module(module.name)
+
+
+def _all_subclasses(cls: type[KvwireError]) -> list[type[KvwireError]]:
+    found = []
+    for sub in cls.__subclasses__():
+        found.append(sub)
+        found.extend(_all_subclasses(sub))
+    return found
+
+
+_import_everything()
+EVERY_ERROR = [KvwireError, *_all_subclasses(KvwireError)]
+
+
+def test_the_walk_finds_classes_defined_outside_errors_py() -> None:
+    modules = {cls.__module__ for cls in EVERY_ERROR}
+    assert {"kvwired.errors", "kvwired.rdma", "kvctl.lab.machine", "kvctl.push"} <= modules
+
+
+@pytest.mark.parametrize("cls", EVERY_ERROR, ids=lambda cls: cls.__qualname__)
+def test_every_error_round_trips_as_its_own_class(cls: type[KvwireError]) -> None:
+    assert registered()[cls.code] is cls
+    error = cls("what happened", hint="what to do", status="some_status")
+    rebuilt = from_wire(error.to_wire())
+    assert type(rebuilt) is cls
+    assert (rebuilt.message, rebuilt.hint, rebuilt.status) == (
+        "what happened", "what to do", "some_status")
+    assert str(rebuilt) == "what happened (what to do)"
+
+
+def test_status_defaults_by_class_and_is_a_constructor_argument() -> None:
+    assert TransportError("x").status == "transport_error"
+    assert PeerLost("x").status == "connection_lost"
+    assert TransportError("x", status="retry_exceeded").status == "retry_exceeded"
+    renamed = TransportError("x", hint="h", status="remote_access").renamed("receiver d: x")
+    assert (type(renamed), renamed.message, renamed.hint, renamed.status) == (
+        TransportError, "receiver d: x", "h", "remote_access")
+
+
+def test_a_duplicate_code_is_refused_when_the_class_is_defined() -> None:
+    with pytest.raises(TypeError, match=r"already taken by kvwired\.errors\.PoolFull"):
+        class Impostor(KvwireError):
+            code = "pool_full"
+    with pytest.raises(TypeError, match="must define its own wire code"):
+        class Nameless(KvwireError):
+            pass
+    assert registered()["pool_full"].__name__ == "PoolFull"
+
+
+def test_generic_handlers_see_the_matching_built_ins() -> None:
+    with pytest.raises(TimeoutError):
+        raise DeadlineExceeded("request r missed its deadline")
+    with pytest.raises(ConnectionError):
+        raise PeerLost("receiver d went away")
+    assert isinstance(from_wire(DeadlineExceeded("late").to_wire()), TimeoutError)
+
+
+def test_an_unknown_code_becomes_the_root_class() -> None:
+    error = from_wire({"code": "from-the-future", "message": "m"})
+    assert type(error) is KvwireError and error.message == "m"

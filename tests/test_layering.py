@@ -1,0 +1,157 @@
+"""The import rule of docs/DESIGN.md ("Layers of the code"), checked.
+
+Every import in kvwired/ and kvctl/ counts: at module level, inside
+functions and under ``TYPE_CHECKING``, because each is a dependency someone
+reading the code has to hold in mind. A new module must be placed in a
+layer here before it can land.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvwired", "kvctl")
+
+# Bottom to top. A module may import its own layer and those its layer names.
+LAYERS: dict[str, tuple[str, ...]] = {
+    "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate",
+             "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis"),
+    "model": ("kvwired.layout", "kvwired.protocol", "kvwired.config", "kvwired.pool",
+              "kvwired.rdma", "kvwired.metrics", "kvwired.stream"),
+    "transport": ("kvwired.transport", "kvwired.transport.*"),
+    "connections": ("kvwired.control", "kvwired.localsock"),
+    "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.sender", "kvwired.sender.*"),
+    "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
+    "client": ("kvwired.client",),
+    "wiring": ("kvwired.cli", "kvwired.__main__"),
+    "kvctl": ("kvctl", "kvctl.*"),
+}
+
+MAY_IMPORT: dict[str, set[str]] = {
+    "base": set(),
+    "model": {"base"},
+    "transport": {"base", "model"},
+    "connections": {"base", "model"},
+    # The daemons and the experiments are siblings: neither imports the other.
+    # The wiring hands experiments to the daemons; experiments see the
+    # daemons only through the protocols of kvwired.experiments.host.
+    "daemons": {"base", "model", "transport", "connections"},
+    "experiments": {"base", "model", "transport", "connections"},
+    # What engines import knows nothing of the daemons or the data path.
+    "client": {"base", "model", "connections"},
+    "wiring": {"base", "model", "transport", "connections", "daemons", "experiments",
+               "client"},
+    "kvctl": set(),
+}
+
+# kvctl talks to the daemons through their sockets and the client library; of
+# kvwired it may use only what a user of the package may.
+KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.units",
+                    "kvwired.layout", "kvwired.analysis", "kvwired.config", "kvwired.rdma",
+                    "kvwired.protocol", "kvwired.localsock", "kvwired.experiments.spec",
+                    "kvwired.experiments.perftest")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports_of(name: str) -> set[str]:
+    """The kvwired/kvctl modules ``name`` imports, anywhere in its source."""
+    path = MODULES[name]
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            # ``from . import x`` imports the module x, not a name in the package.
+            found.update(f"{module}.{alias.name}" for alias in node.names
+                         if f"{module}.{alias.name}" in MODULES)
+    return {m for m in found if m in MODULES and m != name}
+
+
+def layer_of(name: str) -> str:
+    for layer, patterns in LAYERS.items():
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
+            return layer
+    raise AssertionError(f"{name} is in no layer: place it in tests/test_layering.py "
+                         "and in docs/DESIGN.md")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_import_follows_the_layer_rule(name: str) -> None:
+    layer = layer_of(name)
+    for imported in sorted(imports_of(name)):
+        target = layer_of(imported)
+        if layer == "kvctl":
+            allowed = target == "kvctl" or imported in KVCTL_MAY_IMPORT
+        else:
+            allowed = target == layer or target in MAY_IMPORT[layer]
+        assert allowed, f"{name} ({layer}) may not import {imported} ({target})"
+
+
+def test_no_import_cycles() -> None:
+    graph = {name: imports_of(name) for name in MODULES}
+    # A package's __init__ that re-exports its modules is not a cycle with them.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not m.startswith(f"{name}.")}
+    cycles = _cycles(graph)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_rule_catches_a_daemon_importing_an_experiment() -> None:
+    # The check itself is tested: the old layout's cycle would fail it.
+    graph = {"kvwired.sender": {"kvwired.experiments.chunk_sweep"},
+             "kvwired.experiments.chunk_sweep": {"kvwired.sender"}}
+    assert _cycles(graph) == [["kvwired.experiments.chunk_sweep", "kvwired.sender"]]
+    assert "experiments" not in MAY_IMPORT[layer_of("kvwired.sender.daemon")]
