@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
@@ -29,6 +29,7 @@ from .stream import MessageStream
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
 DEFAULT_RECEIVER_SOCKET = "/run/kvwire/receiver.sock"
 T = TypeVar("T")
+C = TypeVar("C", bound="_LocalClient")
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,22 @@ class _Run:
             self.result.set_exception(error)
 
 
-class SenderClient:
+class _LocalClient:
+    """What both engine clients share: their connection, ``close`` and ``async with``."""
+
+    conn: _Connection
+
+    async def close(self) -> None:
+        await self.conn.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class SenderClient(_LocalClient):
     """A prefill engine's connection to its local sender daemon."""
 
     def __init__(self, path: str) -> None:
@@ -334,17 +350,8 @@ class SenderClient:
         for run in self._runs.values():
             run.fail(error)
 
-    async def close(self) -> None:
-        await self.conn.close()
 
-    async def __aenter__(self) -> SenderClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class ReceiverClient:
+class ReceiverClient(_LocalClient):
     """A decode engine's connection to its local receiver daemon."""
 
     def __init__(self, path: str) -> None:
@@ -428,15 +435,6 @@ class ReceiverClient:
             if not future.done():
                 future.set_exception(error)
 
-    async def close(self) -> None:
-        await self.conn.close()
-
-    async def __aenter__(self) -> ReceiverClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
 
 # ------------------------------------------------------------ sync wrappers
 
@@ -481,14 +479,31 @@ class SyncPush:
         self._runner.call(self._push.abort)
 
 
-class SyncSenderClient:
-    def __init__(self, path: str = DEFAULT_SENDER_SOCKET) -> None:
+class _SyncClient(Generic[C]):
+    """A client driven from a thread of its own, for callers without an event loop."""
+
+    def __init__(self, connect: Callable[[], Coroutine[Any, Any, C]]) -> None:
         self._runner = _LoopThread()
         try:
-            self._client = self._runner.run(SenderClient.connect(path))
+            self._client: C = self._runner.run(connect())
         except BaseException:
             self._runner.stop()
             raise
+
+    def close(self) -> None:
+        self._runner.run(self._client.close())
+        self._runner.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncSenderClient(_SyncClient[SenderClient]):
+    def __init__(self, path: str = DEFAULT_SENDER_SOCKET) -> None:
+        super().__init__(lambda: SenderClient.connect(path))
 
     def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
              chunk: str | int | None = None, deadline: float | None = None) -> SyncPush:
@@ -499,19 +514,10 @@ class SyncSenderClient:
     def push_bytes(self, req: str, peer: str, data: bytes, **kwargs: Any) -> PushResult:
         return self._runner.run(self._client.push_bytes(req, peer, data, **kwargs))
 
-    def close(self) -> None:
-        self._runner.run(self._client.close())
-        self._runner.stop()
 
-
-class SyncReceiverClient:
+class SyncReceiverClient(_SyncClient[ReceiverClient]):
     def __init__(self, path: str = DEFAULT_RECEIVER_SOCKET) -> None:
-        self._runner = _LoopThread()
-        try:
-            self._client = self._runner.run(ReceiverClient.connect(path))
-        except BaseException:
-            self._runner.stop()
-            raise
+        super().__init__(lambda: ReceiverClient.connect(path))
 
     def wait_delivered(self, req: str, timeout: float | None = None) -> Delivered:
         return self._runner.run(self._client.wait_delivered(req, timeout))
@@ -521,7 +527,3 @@ class SyncReceiverClient:
 
     def release(self, req: str) -> None:
         self._runner.run(self._client.release(req))
-
-    def close(self) -> None:
-        self._runner.run(self._client.close())
-        self._runner.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,13 @@ from .units import parse_size
 
 def _opt(default: Any, help: str, kind: str = "") -> Any:
     return field(default=default, metadata={"help": help, "kind": kind})
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for a listener started next)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def parse_address(text: str, default_port: int) -> tuple[str, int]:

@@ -21,8 +21,9 @@ import structlog
 
 from .config import CommonConfig, parse_address
 from .errors import KvwireError
-from .localsock import ClientHandler, serve_unix
+from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix
 from .metrics import Metrics
+from .protocol import Message, Schema
 from .systemd import Notifier
 from .tasks import spawn
 
@@ -92,6 +93,23 @@ class Daemon(ABC):
         daemon is ready (pools, transport and listeners are up)."""
         self._local_server = await serve_unix(self.socket_path, handler)
         self._servers.append(self._local_server)
+
+    async def serve_engine(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           schema: Schema, welcome: Message, fd: int,
+                           dispatch: Callable[[Message], None], who: str) -> None:
+        """One local engine's session: counted, served, and told why if cut off."""
+        self.metrics.clients.inc()
+        try:
+            await local_session(reader, writer, schema, welcome, fd, dispatch)
+        except KvwireError as exc:
+            self.metrics.protocol_errors.labels(f"{self.role}_local").inc()
+            log.warning(f"{who} connection rejected", error=str(exc))
+            reject(writer, exc)
+        except (ConnectionError, OSError):
+            pass  # the engine left mid-frame: its session ends like a clean close
+        finally:
+            self.metrics.clients.dec()
+            close_quietly(writer)
 
     async def drain(self, timeout: float) -> int:
         """Refuse new work; let what is in flight finish within ``timeout``.

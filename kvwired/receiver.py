@@ -34,7 +34,7 @@ from .errors import (
     UsageError,
 )
 from .layout import RequestShape
-from .localsock import HELLO_TIMEOUT, close_quietly, local_session, reject
+from .localsock import HELLO_TIMEOUT
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
 from .tasks import spawn
@@ -489,15 +489,9 @@ class ReceiverDaemon(Daemon):
 
         welcome = message("welcome", name=self.config.name, pool_size=self.pool.size)
         fd = self.pool.memory.readonly_fd()  # decode engines only read the pool
-        self.metrics.clients.inc()
         try:
-            await local_session(reader, writer, RECEIVER_LOCAL, welcome, fd, dispatch)
-        except KvwireError as exc:
-            self.metrics.protocol_errors.labels("receiver_local").inc()
-            log.warning("decode engine connection rejected", error=str(exc))
-            reject(writer, exc)
-        except (ConnectionError, OSError):
-            pass
+            await self.serve_engine(reader, writer, RECEIVER_LOCAL, welcome, fd, dispatch,
+                                    "decode engine")
         finally:
             os.close(fd)
             for req in subscribed:
@@ -506,8 +500,6 @@ class ReceiverDaemon(Daemon):
                     subs.discard(consumer)
                     if not subs:
                         del self.subscribers[req]
-            self.metrics.clients.dec()
-            close_quietly(writer)
 
     def _subscribe(self, consumer: Consumer, req: str) -> None:
         self.subscribers.setdefault(req, set()).add(consumer)

@@ -63,6 +63,16 @@ print(names, ctx.query_port(1).state == e.IBV_PORT_ACTIVE,
     assert out.split()[3].endswith("ffff:c612:4e02")  # ::ffff:198.18.78.2
 
 
+def test_the_transport_suite_passes_over_rdma_rxe_in_a_node(lab: LabState) -> None:
+    # tests/test_transport.py, the suite the tcp transport passes here, run
+    # over verbs where rdma_rxe is: both ends on the decode node's rxe0.
+    suite = Path(__file__).with_name("test_transport.py")
+    code, out, err = run_in("decode", [sys.executable, "-m", "pytest", str(suite), "-k", "verbs",
+                                       "-q", "-p", "no:cacheprovider"], state=lab)
+    assert code == 0, out + err
+    assert "skipped" not in out and " passed" in out, out
+
+
 def test_the_wire_nic_has_a_pcie_link_for_the_probe(lab: LabState) -> None:
     code, out, err = run_in("prefill", ["sh", "-c",
                                         "cat /sys/class/infiniband/rxe0/parent; "

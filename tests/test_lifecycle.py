@@ -20,15 +20,10 @@ import pytest
 
 from kvctl.netns import write_toml
 from kvwired.client import SenderClient
+from kvwired.config import free_port
 from kvwired.errors import RequestRefused, UnknownPeer
 from kvwired.layout import RequestShape
 from kvwired.systemd import Notifier
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Daemon:
@@ -84,7 +79,7 @@ class Daemon:
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
     started: dict[str, Daemon] = {}
-    ports = {"decode": _free_port(), "decode2": _free_port()}
+    ports = {"decode": free_port(), "decode2": free_port()}
     for name in ("decode", "decode2"):
         started[name] = Daemon(tmp_path, "receiver", {
             "name": name, "transport": "tcp", "listen": f"127.0.0.1:{ports[name]}",

@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,18 +24,13 @@ import yaml
 
 from kvctl.netns import write_toml
 from kvwired.client import SenderClient
+from kvwired.config import free_port
 from kvwired.errors import KvwireError
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy/prometheus/kvwire-rules.yml"
 DASHBOARD = ROOT / "deploy/grafana/kvwire-dashboard.json"
 COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _tool(name: str) -> str:
@@ -98,7 +92,7 @@ def _api(port: int, path: str) -> Any:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("prometheus")
-    ports = {name: _free_port() for name in ("control", "rx_metrics", "tx_metrics", "prom")}
+    ports = {name: free_port() for name in ("control", "rx_metrics", "tx_metrics", "prom")}
     write_toml(tmp / "rx.toml", {
         "name": "decode", "transport": "tcp", "listen": f"127.0.0.1:{ports['control']}",
         "data_port": 0, "socket": str(tmp / "rx.sock"),

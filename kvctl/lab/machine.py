@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvwired.config import free_port
 from kvwired.errors import KvwireError
 
 from . import initramfs, wire
@@ -163,12 +164,6 @@ def why_lab_cannot_run() -> str | None:
 # --------------------------------------------------------------- the lab
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -262,7 +257,7 @@ def up(out: Any = sys.stdout) -> LabState:
     wire = [_free_udp_port() for _ in NODES]
     try:
         for position, node in enumerate(NODES):
-            ports = {name: _free_port() for name in FORWARDED}
+            ports = {name: free_port() for name in FORWARDED}
             console = STATE_DIR / f"{node.name}.console"
             console.unlink(missing_ok=True)
             with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:

@@ -14,11 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 from dataclasses import dataclass
 
 import structlog
 
+from ..config import free_port
 from ..errors import ExperimentFailed, KvwireError, PerftestFailed, UsageError
 from ..protocol import Message, message
 from ..rdma import GidEntry, pick_gid
@@ -75,13 +75,6 @@ def command(tool: str, gid: GidEntry, size: int, iters: int, port: int,
     if server is not None:
         args.append(server)
     return args
-
-
-def free_port() -> int:
-    """A TCP port free right now, for perftest's own out-of-band connection."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 async def run(args: list[str], timeout: float) -> tuple[int, str]:
@@ -181,7 +174,7 @@ class BaselineService:
                     "the perftest baseline needs RDMA; this receiver runs over tcp",
                     hint="run the daemons with transport = verbs, or drop --baseline")
             gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
-            port = free_port()
+            port = free_port("")
             proc = await start_server(command(msg["tool"], gid, msg["size"], msg["iters"], port))
         except KvwireError as exc:
             session.conn.send(message("refused", req=req, error=exc.to_wire()))

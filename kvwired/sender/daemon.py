@@ -30,7 +30,6 @@ from ..errors import (
     internal_error,
 )
 from ..layout import RequestShape
-from ..localsock import close_quietly, local_session, reject
 from ..pool import Pool, Slot
 from ..protocol import SENDER_LOCAL, Message, encode, message
 from ..tasks import spawn
@@ -216,20 +215,11 @@ class SenderDaemon(Daemon):
         session = EngineSession(send, self._open_for_engine, self._run_experiment)
         welcome = message("welcome", name=self.config.name, pool_size=self.staging.size,
                           peers=sorted(self.links))
-        self.metrics.clients.inc()
         try:
-            await local_session(reader, writer, SENDER_LOCAL, welcome, self.staging.memory.fd,
-                                session.handle)
-        except KvwireError as exc:
-            self.metrics.protocol_errors.labels("sender_local").inc()
-            log.warning("prefill engine connection rejected", error=str(exc))
-            reject(writer, exc)
-        except (ConnectionError, OSError):
-            pass
+            await self.serve_engine(reader, writer, SENDER_LOCAL, welcome,
+                                    self.staging.memory.fd, session.handle, "prefill engine")
         finally:
             session.closed()
-            self.metrics.clients.dec()
-            close_quietly(writer)
 
     async def _open_for_engine(self, msg: Message) -> Push:
         req = msg["req"]

@@ -25,7 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import structlog
+
+from ..errors import TransportError
 from ..pool import SharedMemory
+
+log = structlog.get_logger("kvwired.transport")
 
 ImmediateHandler = Callable[[int], None]
 ErrorHandler = Callable[[Exception], None]
@@ -55,15 +60,47 @@ class RemoteRegion:
 
 
 class DataChannel(ABC):
-    """The initiator's end of a connection: posts writes in order."""
+    """The initiator's end of a connection: posts writes in order.
+
+    Failing and closing are one path for every transport: the first error
+    is kept, every post still outstanding fails with it, the connection is
+    torn down; a failure (not a close on purpose) is also told, once, to
+    ``on_failure``.
+    """
 
     # Told once, when the channel fails (not when it is closed on purpose).
     on_failure: ErrorHandler | None = None
+    _error: TransportError | None = None
 
     def report_failure(self, error: Exception) -> None:
         if self.on_failure is not None:
             handler, self.on_failure = self.on_failure, None
             handler(error)
+
+    def fail(self, error: TransportError, quiet: bool = False) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        if not quiet:
+            log.warning("data channel failed", transport=self.kind, error=str(error))
+            self.report_failure(error)
+        for future in self._take_outstanding():
+            if not future.done():
+                future.set_exception(error)
+        self._tear_down()
+
+    def close(self) -> None:
+        self.fail(TransportError("data channel closed"), quiet=True)
+
+    kind: str = "?"
+
+    @abstractmethod
+    def _take_outstanding(self) -> list[asyncio.Future[None]]:
+        """Forget every post not yet completed; their futures, to fail."""
+
+    @abstractmethod
+    def _tear_down(self) -> None:
+        """Drop the connection (queue pair, socket) after a failure or close."""
 
     @property
     def pending_writes(self) -> int:
@@ -82,9 +119,6 @@ class DataChannel(ABC):
     @abstractmethod
     def alive(self) -> bool:
         """False once the channel has failed or been closed."""
-
-    @abstractmethod
-    def close(self) -> None: ...
 
 
 class Responder(ABC):

@@ -238,6 +238,8 @@ class _InitiatorProtocol(asyncio.Protocol):
 
 
 class TcpDataChannel(DataChannel):
+    kind = "tcp"
+
     def __init__(self, memory: memoryview, remote: RemoteRegion) -> None:
         self._memory = memory
         self._remote = remote
@@ -327,26 +329,19 @@ class TcpDataChannel(DataChannel):
         if future is not None and not future.done():
             future.set_result(None)
 
-    def fail(self, exc: TransportError, quiet: bool = False) -> None:
-        if self._error is not None:
-            return
-        self._error = exc
+    def _take_outstanding(self) -> list[asyncio.Future[None]]:
         self._pending = 0
-        if not quiet:
-            self.report_failure(exc)
+        # The pump waits on these; it sees the error and ends.
         self.writable.set()
         self._wakeup.set()
         pending = list(self._inflight.values()) + [f for _, _, f in self._queue]
         self._inflight.clear()
         self._queue.clear()
-        for future in pending:
-            if not future.done():
-                future.set_exception(exc)
+        return pending
+
+    def _tear_down(self) -> None:
         if self._transport is not None:
             self._transport.abort()
-
-    def close(self) -> None:
-        self.fail(TransportError("data channel closed"), quiet=True)
 
 
 class TcpInitiator(Initiator):

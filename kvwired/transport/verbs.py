@@ -384,6 +384,8 @@ class _Signal:
 class VerbsDataChannel(DataChannel):
     """Posts writes on an RC QP; one completion per post tells they landed."""
 
+    kind = "verbs"
+
     def __init__(self, qp: _QueuePair, remote: dict[str, Any]) -> None:
         self._qp = qp
         self._rkey = int(remote["rkey"])
@@ -495,24 +497,15 @@ class VerbsDataChannel(DataChannel):
                     break
         self._post_some()
 
-    def fail(self, error: TransportError, quiet: bool = False) -> None:
-        if self._error is not None:
-            return
-        self._error = error
-        if not quiet:
-            log.warning("verbs data channel failed", error=str(error))
-            self.report_failure(error)
+    def _take_outstanding(self) -> list[asyncio.Future[None]]:
         pending = [s.future for s in self._signals if s.future is not None]
         pending += [p.future for p in self._queue]
         self._signals.clear()
         self._queue.clear()
-        for future in pending:
-            if not future.done():
-                future.set_exception(error)
-        self._qp.close()
+        return pending
 
-    def close(self) -> None:
-        self.fail(TransportError("data channel closed"), quiet=True)
+    def _tear_down(self) -> None:
+        self._qp.close()
 
 
 class VerbsInitiator(Initiator):
