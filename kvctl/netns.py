@@ -29,15 +29,17 @@ from kvwired.localsock import accepts
 SUBNET = "198.18.77"
 
 
-class HarnessError(KvwireError):
-    code = "harness"
-
-
 @dataclass(frozen=True)
 class Host:
+    """One end of the harness: its namespace, its address on the veth, the veth."""
+
     netns: str
     address: str
     ifname: str
+
+
+class HarnessError(KvwireError, code="harness"):
+    """The two-namespace harness could not be set up or run."""
 
 
 def _ip(*args: str) -> None:

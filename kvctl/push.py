@@ -21,8 +21,8 @@ from kvwired.layout import RequestShape
 from kvwired.units import format_size
 
 
-class VerificationFailed(KvwireError):
-    code = "verification"
+class VerificationFailed(KvwireError, code="verification"):
+    """Delivered bytes differ from what was sent."""
 
 
 @dataclass

@@ -29,15 +29,21 @@ class KvwireError(Exception):
     # Names the failure for metrics (``retry_exceeded``, ``remote_access``, ...).
     default_status: ClassVar[str] = "error"
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, *, code: str = "", status: str = "", **kwargs: Any) -> None:
+        """``class PoolFull(RequestRefused, code="pool_full")``: the wire code, and
+        optionally the metrics status, are part of the class statement."""
         super().__init_subclass__(**kwargs)
-        if "code" not in cls.__dict__:
-            raise TypeError(f"{cls.__qualname__} must define its own wire code")
-        taken = _BY_CODE.get(cls.code)
+        if not code:
+            raise TypeError(f"{cls.__qualname__} must define its own wire code "
+                            f"(class {cls.__name__}(..., code=\"...\"))")
+        taken = _BY_CODE.get(code)
         if taken is not None:
-            raise TypeError(f"error code {cls.code!r} of {cls.__qualname__} is already "
+            raise TypeError(f"error code {code!r} of {cls.__qualname__} is already "
                             f"taken by {taken.__module__}.{taken.__qualname__}")
-        _BY_CODE[cls.code] = cls
+        cls.code = code
+        if status:
+            cls.default_status = status
+        _BY_CODE[code] = cls
 
     def __init__(self, message: str, *, hint: str = "", status: str | None = None) -> None:
         self.message = message
@@ -57,96 +63,72 @@ class KvwireError(Exception):
 _BY_CODE[KvwireError.code] = KvwireError
 
 
-class ConfigError(KvwireError):
+class ConfigError(KvwireError, code="config"):
     """A configuration file or flag is wrong."""
 
-    code = "config"
 
-
-class ProtocolError(KvwireError):
+class ProtocolError(KvwireError, code="protocol"):
     """A frame that cannot be decoded or does not follow the protocol."""
 
-    code = "protocol"
+
+class FrameTooLarge(ProtocolError, code="frame_too_large"):
+    """A frame larger than the protocol allows, refused from its length alone."""
 
 
-class FrameTooLarge(ProtocolError):
-    code = "frame_too_large"
+class VersionMismatch(ProtocolError, code="version"):
+    """The peer speaks another version of the protocol."""
 
 
-class VersionMismatch(ProtocolError):
-    code = "version"
-
-
-class TransportError(KvwireError):
+class TransportError(KvwireError, code="transport", status="transport_error"):
     """The data path failed: a write did not complete, a connection broke."""
 
-    code = "transport"
-    default_status = "transport_error"
 
-
-class PeerLost(TransportError, ConnectionError):
+class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost"):
     """The other daemon went away while work was in flight."""
 
-    code = "peer_lost"
-    default_status = "connection_lost"
+
+class UnknownPeer(KvwireError, code="unknown_peer"):
+    """No receiver of that name is configured on the sender."""
 
 
-class UnknownPeer(KvwireError):
-    code = "unknown_peer"
-
-
-class RequestRefused(KvwireError):
+class RequestRefused(KvwireError, code="refused"):
     """The receiver would not take a request (and said why)."""
 
-    code = "refused"
+
+class RequestTooLarge(RequestRefused, code="too_large"):
+    """A request that the pool could never hold, however long it waited."""
 
 
-class RequestTooLarge(RequestRefused):
-    code = "too_large"
-
-
-class PoolFull(RequestRefused):
+class PoolFull(RequestRefused, code="pool_full"):
     """No room in a pool before the wait ran out."""
 
-    code = "pool_full"
+
+class DuplicateRequest(RequestRefused, code="duplicate"):
+    """A request id already in use where it must be unique."""
 
 
-class DuplicateRequest(RequestRefused):
-    code = "duplicate"
-
-
-class RequestAborted(KvwireError):
+class RequestAborted(KvwireError, code="aborted"):
     """A request was aborted by either side, or its deadline passed."""
 
-    code = "aborted"
+
+class DeadlineExceeded(RequestAborted, TimeoutError, code="deadline"):
+    """A request's deadline passed before it was delivered."""
 
 
-class DeadlineExceeded(RequestAborted, TimeoutError):
-    code = "deadline"
-
-
-class UsageError(KvwireError):
+class UsageError(KvwireError, code="usage"):
     """A client used the API out of order (commit after finish, ...)."""
 
-    code = "usage"
 
-
-class DaemonUnavailable(KvwireError):
+class DaemonUnavailable(KvwireError, code="unavailable"):
     """A local client could not reach its daemon."""
 
-    code = "unavailable"
 
-
-class ExperimentFailed(KvwireError):
+class ExperimentFailed(KvwireError, code="experiment_failed"):
     """An experiment (kvctl run) could not finish; its partial results stand."""
 
-    code = "experiment_failed"
 
-
-class PerftestFailed(ExperimentFailed):
+class PerftestFailed(ExperimentFailed, code="perftest_failed"):
     """The perftest baseline could not be run or read."""
-
-    code = "perftest_failed"
 
 
 def internal_error(exc: BaseException, where: str) -> KvwireError:

@@ -21,18 +21,18 @@ ROCE_V2 = "RoCE v2"
 MEMLOCK_SLACK = 16 << 20
 
 
-class MemlockTooLow(ConfigError):
-    code = "memlock"
+class MemlockTooLow(ConfigError, code="memlock"):
+    """RLIMIT_MEMLOCK is below what the pools must pin."""
 
 
-class NoRdmaPath(TransportError):
+class NoRdmaPath(TransportError, code="no_rdma_path"):
     """No usable device, port or GID for the address at hand."""
-
-    code = "no_rdma_path"
 
 
 @dataclass(frozen=True)
 class GidEntry:
+    """One row of a port's GID table, with the netdev it belongs to."""
+
     device: str
     port: int
     index: int

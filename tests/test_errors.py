@@ -65,8 +65,8 @@ def test_status_defaults_by_class_and_is_a_constructor_argument() -> None:
 
 def test_a_duplicate_code_is_refused_when_the_class_is_defined() -> None:
     with pytest.raises(TypeError, match=r"already taken by kvwired\.errors\.PoolFull"):
-        class Impostor(KvwireError):
-            code = "pool_full"
+        class Impostor(KvwireError, code="pool_full"):
+            pass
     with pytest.raises(TypeError, match="must define its own wire code"):
         class Nameless(KvwireError):
             pass

@@ -45,8 +45,8 @@ FORWARDED = {"agent": AGENT_PORT, "control": 7471, "metrics_receiver": 9471,
              "metrics_sender": 9472}
 
 
-class LabError(KvwireError):
-    code = "lab"
+class LabError(KvwireError, code="lab"):
+    """The QEMU lab could not be brought up, reached or taken down."""
 
 
 @dataclass

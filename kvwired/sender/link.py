@@ -56,11 +56,8 @@ class PeerLink:
 
     def __init__(self, name: str, address: str, config: SenderConfig, transport: Transport,
                  metrics: Metrics) -> None:
-        self.name = name
-        self.address = address
-        self.config = config
-        self.transport = transport
-        self.metrics = metrics
+        self.name, self.address = name, address
+        self.config, self.transport, self.metrics = config, transport, metrics
         self.conn: ControlConnection | None = None
         self.channel: DataChannel | None = None
         self.credits = 0

@@ -42,16 +42,10 @@ log = structlog.get_logger("kvwired.sender")
 Timings = dict[str, float]
 
 
-@dataclass(frozen=True)
-class Delivery:
-    """A push's good end: the receiver's checksum of every byte, and the timings."""
-
-    checksum: int
-    timings: Timings
-
-
 @dataclass(eq=False)
 class Push:
+    """One request from open to its one outcome: what it holds and how far it got."""
+
     req: str
     link: PeerLink
     shape: RequestShape
@@ -95,6 +89,14 @@ class Push:
     def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
         self.aborted_by_receiver = self.aborted_by_receiver or by_receiver
         self.driver.fail(self, error)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A push's good end: the receiver's checksum of every byte, and the timings."""
+
+    checksum: int
+    timings: Timings
 
 
 class PushDriver:
