@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import mmap
 import threading
 import time
@@ -23,7 +24,7 @@ from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
 from .pool import map_shared_fd
-from .protocol import RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, message
+from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, message
 from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
@@ -193,6 +194,15 @@ class OutgoingPush:
 
 
 @dataclass
+class _Opening:
+    """A push asked for and not yet answered."""
+
+    future: asyncio.Future[OutgoingPush]
+    shape: RequestShape
+    started: float
+
+
+@dataclass
 class _Run:
     """An experiment the daemon runs for this client."""
 
@@ -233,7 +243,7 @@ class SenderClient(_LocalClient):
 
     def __init__(self, path: str) -> None:
         self.conn = _Connection(path, "prefill", SENDER_LOCAL, self._route, self._fail_all)
-        self._opening: dict[str, asyncio.Future[Message]] = {}
+        self._opening: dict[str, _Opening] = {}
         self._pushes: dict[str, OutgoingPush] = {}
         self._runs: dict[str, _Run] = {}
 
@@ -260,21 +270,27 @@ class SenderClient(_LocalClient):
         if chunk is not None:
             fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout)
         if deadline is not None:
+            if not (isinstance(deadline, int | float) and math.isfinite(deadline)
+                    and 0 < deadline <= MAX_SECONDS):
+                raise UsageError(f"deadline {deadline!r} is not a number of seconds",
+                                 hint=f"pass seconds in (0, {MAX_SECONDS:g}], or no deadline")
             fields["deadline"] = float(deadline)
         if discard:
             fields["discard"] = 1
-        started = time.perf_counter()
-        future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
-        self._opening[req] = future
+        opening = _Opening(asyncio.get_running_loop().create_future(), request_shape,
+                           time.perf_counter())
+        self._opening[req] = opening
         try:
             self.conn.send(message("open", **fields))
-            opened = await future
+            return await opening.future
+        except asyncio.CancelledError:
+            # The caller stopped waiting: a push opened meanwhile goes back.
+            if (opening.future.done() and not opening.future.cancelled()
+                    and opening.future.exception() is None):
+                opening.future.result().abort()
+            raise
         finally:
             self._opening.pop(req, None)
-        push = OutgoingPush(self, req, request_shape, opened["offset"], opened["chunk_bytes"],
-                            started)
-        self._pushes[req] = push
-        return push
 
     async def push_bytes(self, req: str, peer: str, data: bytes | memoryview, *,
                          chunk: str | int | None = None,
@@ -323,15 +339,22 @@ class SenderClient(_LocalClient):
                 push._sent(msg["layer"])
             return
         if msg["t"] == "opened":
-            future = self._opening.get(req)
-            if future is not None and not future.done():
-                future.set_result(msg)
+            # The push exists from this message on, so a ``failed`` right
+            # behind it (in the same read) finds it.
+            opening = self._opening.get(req)
+            if opening is None or opening.future.done():
+                self.conn.send(message("abort", req=req))  # nobody waits for it
+                return
+            push = OutgoingPush(self, req, opening.shape, msg["offset"], msg["chunk_bytes"],
+                                opening.started)
+            self._pushes[req] = push
+            opening.future.set_result(push)
             return
         if msg["t"] == "failed":
             error = from_wire(msg["error"])
-            future = self._opening.get(req)
-            if future is not None and not future.done():
-                future.set_exception(error)
+            opening = self._opening.get(req)
+            if opening is not None and not opening.future.done():
+                opening.future.set_exception(error)
             push = self._pushes.pop(req, None)
             if push is not None:
                 push._failed(error)
@@ -341,9 +364,9 @@ class SenderClient(_LocalClient):
                 push._finished(msg)
 
     def _fail_all(self, error: KvwireError) -> None:
-        for future in self._opening.values():
-            if not future.done():
-                future.set_exception(error)
+        for opening in self._opening.values():
+            if not opening.future.done():
+                opening.future.set_exception(error)
         for push in self._pushes.values():
             push._failed(error)
         self._pushes.clear()

@@ -16,13 +16,15 @@ of the client library feeds the same decoder.
 
 from __future__ import annotations
 
+import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
+from . import immediate
 from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
 
 PROTOCOL_VERSION = 1
@@ -32,50 +34,121 @@ _LENGTH = struct.Struct(">I")
 Message = dict[str, Any]
 
 
+# Checks a value of the right type; returns what is wrong with it, or None.
+Check = Callable[[Any], str | None]
+
+
 @dataclass(frozen=True)
 class Field:
     types: tuple[type, ...]
     required: bool = True
+    check: Check | None = None
+    expected: str = ""  # what a good value looks like, for the refusal's hint
 
 
-def _f(*types: type, required: bool = True) -> Field:
-    return Field(types, required)
+def _f(*types: type, required: bool = True, check: Check | None = None,
+       expected: str = "") -> Field:
+    return Field(types, required, check, expected)
 
 
-INT = _f(int)
-STR = _f(str)
+def _int_range(low: int, high: int) -> Check:
+    def check(value: Any) -> str | None:
+        return None if low <= value <= high else f"{value} is outside {low}..{high}"
+    return check
+
+
+def _seconds(value: Any) -> str | None:
+    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        return f"{value!r} is not a number of seconds in (0, {MAX_SECONDS:g}]"
+    return None
+
+
+def _text(limit: int) -> Check:
+    def check(value: Any) -> str | None:
+        return None if 0 < len(value) <= limit else f"length {len(value)} is not 1..{limit}"
+    return check
+
+
+def _shape(value: Any) -> str | None:
+    extra = set(value) - {"layers", "layer_bytes"}
+    if extra:
+        return f"unknown keys {sorted(map(str, extra))}"
+    for key, high in (("layers", immediate.MAX_LAYERS), ("layer_bytes", MAX_LAYER_BYTES)):
+        item = value.get(key)
+        if isinstance(item, bool) or not isinstance(item, int):
+            return f"{key!r} is {type(item).__name__}, expected int"
+        if not 1 <= item <= high:
+            return f"{key!r} {item} is outside 1..{high}"
+    return None
+
+
+def _error(value: Any) -> str | None:
+    for key in ("code", "message"):
+        if not isinstance(value.get(key), str):
+            return f"{key!r} is missing or not a string"
+    for key in ("hint", "status"):
+        if key in value and not isinstance(value[key], str):
+            return f"{key!r} is not a string"
+    return None
+
+
+def _names(value: Any) -> str | None:
+    if len(value) > 16 or not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
+        return "not a list of at most 16 short names"
+    return None
+
+
+MAX_SECONDS = 86400.0  # a deadline or wait longer than a day is a mistake
+MAX_LAYER_BYTES = 1 << 40
+U64 = (1 << 64) - 1
+
+INT = _f(int, check=_int_range(0, U64), expected="a non-negative integer")
+FLAG = _f(int, required=False, check=_int_range(0, 1), expected="0 or 1")
+STR = _f(str, check=_text(1024), expected="a string of 1 to 1024 characters")
+REQ = _f(str, check=_text(256), expected="a request id of 1 to 256 characters")
+LEASE = _f(int, check=_int_range(1, immediate.LEASE_SPACE - 1),
+           expected=f"a lease id in 1..{immediate.LEASE_SPACE - 1}")
+LAYER = _f(int, check=_int_range(0, immediate.MAX_LAYERS - 1),
+           expected=f"a layer in 0..{immediate.MAX_LAYERS - 1}")
+CREDITS = _f(int, check=_int_range(1, 1 << 16), expected="1 to 65536 credits")
+CHECKSUM = _f(int, check=_int_range(0, U64), expected="an unsigned 64-bit checksum")
+SHAPE = _f(dict, check=_shape, expected="{layers: 1..1024, layer_bytes: 1..2^40}")
 DICT = _f(dict)
-ERROR = _f(dict)
+ERROR = _f(dict, check=_error, expected="{code, message[, hint, status]} strings")
+NAMES = _f(list, check=_names, expected="a list of names")
+SECONDS = _f(float, int, required=False, check=_seconds,
+             expected=f"seconds, finite, in (0, {MAX_SECONDS:g}]")
 
 Schema = Mapping[str, Mapping[str, Field]]
 
 # Sender daemon <-> receiver daemon, over TCP.
 CONTROL: Schema = {
-    "hello": {"role": STR, "name": STR, "transports": _f(list)},
-    "welcome": {"name": STR, "transport": STR, "credits": INT},
+    "hello": {"role": STR, "name": STR, "transports": NAMES},
+    "welcome": {"name": STR, "transport": STR, "credits": CREDITS},
     "connect": {"params": DICT},
     "ready": {"params": DICT},
     # discard=1: an experiment's request, freed as soon as it is delivered.
-    "open": {"req": STR, "shape": DICT, "discard": _f(int, required=False)},
-    "lease": {"req": STR, "lease": INT, "offset": INT},
-    "refused": {"req": STR, "error": ERROR},
-    "abort": {"req": STR, "lease": INT, "error": ERROR},
-    "abort_ack": {"req": STR, "lease": INT},
-    "delivered": {"req": STR, "lease": INT, "checksum": INT},
-    "credits": {"n": INT},
+    "open": {"req": REQ, "shape": SHAPE, "discard": FLAG},
+    "lease": {"req": REQ, "lease": LEASE, "offset": INT},
+    "refused": {"req": REQ, "error": ERROR},
+    "abort": {"req": REQ, "lease": LEASE, "error": ERROR},
+    "abort_ack": {"req": REQ, "lease": LEASE},
+    "delivered": {"req": REQ, "lease": LEASE, "checksum": CHECKSUM},
+    "credits": {"n": CREDITS},
     # Echo mode (kvctl run chunk-sweep): the receiver leases a slot and opens a
     # data channel back to the sender; an immediate naming the echo lease is
     # answered by a write of the same size (sizes[layer bits]) with the same
     # immediate.
-    "echo_open": {"req": STR, "bytes": INT, "sizes": _f(list)},
-    "echo_offer": {"req": STR, "lease": INT, "offset": INT, "params": DICT},
-    "echo_answer": {"req": STR, "lease": INT, "reply_offset": INT, "params": DICT},
-    "echo_ready": {"req": STR, "lease": INT},
-    "echo_close": {"req": STR, "lease": INT},
+    "echo_open": {"req": REQ, "bytes": INT, "sizes": _f(list)},
+    "echo_offer": {"req": REQ, "lease": LEASE, "offset": INT, "params": DICT},
+    "echo_answer": {"req": REQ, "lease": LEASE, "reply_offset": INT, "params": DICT},
+    "echo_ready": {"req": REQ, "lease": LEASE},
+    "echo_close": {"req": REQ, "lease": LEASE},
     # The perftest baseline: the receiver runs the tool's server side.
-    "baseline": {"req": STR, "tool": STR, "size": INT, "iters": INT},
-    "baseline_ready": {"req": STR, "port": INT},
-    "baseline_stop": {"req": STR},
+    "baseline": {"req": REQ, "tool": STR, "size": INT, "iters": INT},
+    "baseline_ready": {"req": REQ, "port": _f(int, check=_int_range(1, 65535),
+                                               expected="a TCP port")},
+    "baseline_stop": {"req": REQ},
     "ping": {},
     "pong": {},
     # A clean goodbye: the daemon is shutting down (or the peer was removed).
@@ -91,27 +164,28 @@ SENDER_LOCAL: Schema = {
     "hello": {"role": STR},
     "welcome": {"name": STR, "pool_size": INT, "peers": _f(list, required=False)},
     "open": {
-        "req": STR,
+        "req": REQ,
         "peer": STR,
-        "shape": DICT,
-        "chunk_bytes": _f(int, required=False),
-        "deadline": _f(float, int, required=False),
-        "discard": _f(int, required=False),
+        "shape": SHAPE,
+        "chunk_bytes": _f(int, required=False, check=_int_range(1, MAX_LAYER_BYTES << 10),
+                          expected="a chunk size of at least 1 B"),
+        "deadline": SECONDS,
+        "discard": FLAG,
     },
-    "opened": {"req": STR, "offset": INT, "chunk_bytes": INT},
-    "commit": {"req": STR, "layer": INT},
+    "opened": {"req": REQ, "offset": INT, "chunk_bytes": INT},
+    "commit": {"req": REQ, "layer": LAYER},
     # Layers up to ``layer`` are placed in the receiver's memory: their
     # staging may be reused.
-    "sent": {"req": STR, "layer": INT},
-    "finished": {"req": STR, "checksum": INT, "timings": DICT},
-    "abort": {"req": STR},
-    "failed": {"req": STR, "error": ERROR},
+    "sent": {"req": REQ, "layer": LAYER},
+    "finished": {"req": REQ, "checksum": CHECKSUM, "timings": DICT},
+    "abort": {"req": REQ},
+    "failed": {"req": REQ, "error": ERROR},
     # Experiments run by the daemon (kvctl run): progress, one row per
     # finished measurement, then the result or ``failed``.
-    "run": {"req": STR, "experiment": STR, "params": DICT},
-    "progress": {"req": STR, "phase": STR, "done": INT, "total": INT},
-    "row": {"req": STR, "row": DICT},
-    "result": {"req": STR, "result": DICT},
+    "run": {"req": REQ, "experiment": STR, "params": DICT},
+    "progress": {"req": REQ, "phase": STR, "done": INT, "total": INT},
+    "row": {"req": REQ, "row": DICT},
+    "result": {"req": REQ, "result": DICT},
     "error": {"error": ERROR},
 }
 
@@ -119,18 +193,18 @@ SENDER_LOCAL: Schema = {
 RECEIVER_LOCAL: Schema = {
     "hello": {"role": STR},
     "welcome": {"name": STR, "pool_size": INT},
-    "subscribe": {"req": STR},
-    "layer": {"req": STR, "layer": INT},
+    "subscribe": {"req": REQ},
+    "layer": {"req": REQ, "layer": LAYER},
     "complete": {
-        "req": STR,
+        "req": REQ,
         "offset": INT,
         "length": INT,
         "layers": INT,
-        "checksum": INT,
+        "checksum": CHECKSUM,
     },
-    "release": {"req": STR},
-    "released": {"req": STR},
-    "failed": {"req": STR, "error": ERROR},
+    "release": {"req": REQ},
+    "released": {"req": REQ},
+    "failed": {"req": REQ, "error": ERROR},
     "error": {"error": ERROR},
 }
 
@@ -185,8 +259,12 @@ def validate(msg: object, schema: Schema) -> Message:
         if isinstance(value, bool) or not isinstance(value, field.types):
             wanted = " or ".join(t.__name__ for t in field.types)
             raise ProtocolError(
-                f"{kind!r} field {name!r} is {type(value).__name__}, expected {wanted}"
+                f"{kind!r} field {name!r} is {type(value).__name__}, expected {wanted}",
+                hint=f"send {field.expected}" if field.expected else "",
             )
+        if field.check is not None and (wrong := field.check(value)) is not None:
+            raise ProtocolError(f"{kind!r} field {name!r}: {wrong}",
+                                hint=f"send {field.expected}" if field.expected else "")
     return msg
 
 

@@ -34,6 +34,7 @@ from kvwired.protocol import (
 from kvwired.stream import MessageStream
 
 ERR = {"code": "pool_full", "message": "m", "hint": "h"}
+SHAPE_OK = {"layers": 24, "layer_bytes": 2 << 20}
 EXAMPLES: list[tuple[Schema, dict[str, Any]]] = [
     (CONTROL, message("hello", role="sender", name="p", transports=["tcp"])),
     (CONTROL, message("welcome", name="d", transport="tcp", credits=64)),
@@ -48,9 +49,9 @@ EXAMPLES: list[tuple[Schema, dict[str, Any]]] = [
     (CONTROL, message("credits", n=3)),
     (CONTROL, message("ping")),
     (CONTROL, message("error", error=ERR)),
-    (SENDER_LOCAL, message("open", req="r", peer="d", shape={}, chunk_bytes=512,
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, chunk_bytes=512,
                            deadline=1.5)),
-    (SENDER_LOCAL, message("open", req="r", peer="d", shape={})),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK)),
     (SENDER_LOCAL, message("commit", req="r", layer=3)),
     (SENDER_LOCAL, message("finished", req="r", checksum=1, timings={"x": 1.0})),
     (RECEIVER_LOCAL, message("complete", req="r", offset=0, length=9, layers=1, checksum=5)),
@@ -181,3 +182,41 @@ def test_errors_cross_the_wire_as_themselves() -> None:
     assert (rebuilt.message, rebuilt.hint) == ("no room", "release something")
     assert type(from_wire(RequestTooLarge("big").to_wire())) is RequestTooLarge
     assert type(from_wire({"code": "from-the-future"})).__name__ == "KvwireError"
+
+
+def _open(**shape: object) -> dict[str, Any]:
+    return message("open", req="r", shape=shape)
+
+
+@pytest.mark.parametrize(("schema", "msg", "text"), [
+    (CONTROL, _open(layers=float("inf"), layer_bytes=4096), "'layers' is float"),
+    (CONTROL, _open(layers=0, layer_bytes=4096), "outside 1..1024"),
+    (CONTROL, _open(layers=2000, layer_bytes=4096), "outside 1..1024"),
+    (CONTROL, _open(layers=2, layer_bytes=-1), "outside 1..1099511627776"),
+    (CONTROL, _open(layers=2), "'layer_bytes' is NoneType"),
+    (CONTROL, _open(layers=2, layer_bytes=9, color="red"), "unknown keys"),
+    (CONTROL, message("lease", req="r", lease=0, offset=0), "outside 1..4194303"),
+    (CONTROL, message("lease", req="r", lease=5, offset=-4096), "outside 0.."),
+    (CONTROL, message("credits", n=0), "outside 1..65536"),
+    (CONTROL, message("abort", req="r", lease=5, error={"message": "m"}), "'code' is missing"),
+    (CONTROL, message("lease", req="", lease=5, offset=0), "length 0"),
+    (CONTROL, message("lease", req="x" * 300, lease=5, offset=0), "length 300"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK,
+                           deadline=float("nan")), "not a number of seconds"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK,
+                           deadline=float("inf")), "not a number of seconds"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, deadline=-1),
+     "not a number of seconds"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, deadline="5"),
+     "is str"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, chunk_bytes=0),
+     "outside 1.."),
+    (SENDER_LOCAL, message("commit", req="r", layer=1024), "outside 0..1023"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, discard=2),
+     "outside 0..1"),
+])
+def test_values_out_of_range_are_refused_with_a_hint(
+        schema: Schema, msg: dict[str, Any], text: str) -> None:
+    with pytest.raises(ProtocolError, match=text) as refused:
+        decode(_body(msg), schema)
+    assert refused.value.hint.startswith("send ")

@@ -13,7 +13,14 @@ from typing import Any
 
 import structlog
 
-from ..errors import DuplicateRequest, KvwireError, ProtocolError, RequestAborted, UsageError
+from ..errors import (
+    DuplicateRequest,
+    KvwireError,
+    ProtocolError,
+    RequestAborted,
+    UsageError,
+    internal_error,
+)
 from ..protocol import Message, message
 from ..tasks import spawn
 from .push import Delivery, Push
@@ -85,8 +92,9 @@ class EngineSession:
             self.send(message("finished", req=push.req, checksum=delivery.checksum,
                               timings=delivery.timings))
         else:
-            wire = error.to_wire() if isinstance(error, KvwireError) else {}
-            self.send(message("failed", req=push.req, error=wire))
+            if not isinstance(error, KvwireError):
+                error = internal_error(error, "sender daemon")
+            self.send(message("failed", req=push.req, error=error.to_wire()))
 
     def _run(self, msg: Message) -> None:
         req = msg["req"]

@@ -1,0 +1,290 @@
+"""The request lifecycles, driven directly: no sockets, no tasks, no clocks.
+
+Each machine gets a stateful hypothesis test over random event sequences.
+Then the two run together, joined by two FIFO message queues as the control
+connection joins them, under every interleaving hypothesis finds of
+deadlines, engine aborts and releases, posts completing and messages
+arriving: both ends always settle on the same outcome, and the pool and
+the staging get every byte back exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvwired.lifecycle import IllegalTransition
+from kvwired.lifecycle.lease import (
+    LEASE_TABLE,
+    LeaseAction,
+    LeaseEvent,
+    LeaseMachine,
+    LeaseState,
+    Outcome,
+)
+from kvwired.lifecycle.push import PUSH_TABLE, PushAction, PushEvent, PushMachine, PushState
+
+# ------------------------------------------------------------ each on its own
+
+
+class LeaseAlone(RuleBasedStateMachine):
+    """Any event in any order: the table decides, bytes are freed once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lease = LeaseMachine("r")
+        self.freed = 0
+        self.outcomes: list[Outcome] = []
+
+    @rule(event=st.sampled_from(LeaseEvent))
+    def apply(self, event: LeaseEvent) -> None:
+        before = self.lease.state
+        if not self.lease.can(event):
+            with pytest.raises(IllegalTransition):
+                self.lease.apply(event)
+            assert self.lease.state is before  # an illegal event changes nothing
+            return
+        actions = self.lease.apply(event)
+        self.freed += actions.count(LeaseAction.FREE)
+        if self.lease.outcome is not Outcome.PENDING:
+            self.outcomes.append(self.lease.outcome)
+
+    @invariant()
+    def bytes_are_held_until_freed_once(self) -> None:
+        assert self.freed == (0 if self.lease.holds_bytes else 1)
+
+    @invariant()
+    def the_outcome_never_changes(self) -> None:
+        assert len(set(self.outcomes)) <= 1
+
+    @invariant()
+    def nothing_moves_a_freed_lease(self) -> None:
+        if self.lease.state is LeaseState.FREED:
+            assert not any(self.lease.can(event) for event in LeaseEvent)
+
+
+class PushAlone(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.push = PushMachine("r")
+        self.released = 0
+        self.reports: list[PushAction] = []
+
+    @rule(event=st.sampled_from(PushEvent))
+    def apply(self, event: PushEvent) -> None:
+        if not self.push.can(event):
+            with pytest.raises(IllegalTransition):
+                self.push.apply(event)
+            return
+        actions = self.push.apply(event)
+        self.released += actions.count(PushAction.RELEASE_STAGING)
+        self.reports += [a for a in actions
+                         if a in (PushAction.REPORT_FINISHED, PushAction.REPORT_FAILED)]
+
+    @invariant()
+    def one_report_and_staging_back_once(self) -> None:
+        assert len(self.reports) <= 1
+        assert self.released == (0 if self.push.holds_staging else 1)
+        if self.push.ended:
+            assert len(self.reports) == 1
+
+    @invariant()
+    def nothing_moves_a_retired_push(self) -> None:
+        if self.push.state is PushState.RETIRED:
+            assert not any(self.push.can(event) for event in PushEvent)
+
+
+TestLeaseAlone = LeaseAlone.TestCase
+TestPushAlone = PushAlone.TestCase
+
+
+def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
+    assert {s for s, _ in LEASE_TABLE} | {t.target for t in LEASE_TABLE.values()} == set(
+        LeaseState)
+    assert {s for s, _ in PUSH_TABLE} | {t.target for t in PUSH_TABLE.values()} == set(
+        PushState)
+
+
+# -------------------------------------------------------- both ends together
+
+
+class BothEnds(RuleBasedStateMachine):
+    """A granted push and its lease, the control connection between them.
+
+    Every rule is something that can happen in a real run; each end reacts
+    only to what it has received. Messages for a lease or push the other
+    end has already forgotten are dropped, as the daemons drop them.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.push = PushMachine("r")
+        self.push.apply(PushEvent.GRANTED)
+        self.lease = LeaseMachine("r")
+        self.to_receiver: deque[str] = deque()
+        self.to_sender: deque[str] = deque()
+        self.posted = False  # every layer posted (the writes are on their way)
+        self.outstanding = False  # a post whose completion has not come back
+        self.landed = False  # the receiver saw the last immediate
+        self.lost = False
+        self.engine_released = False
+        self.freed = 0
+        self.released = 0
+        self.sender_reports: list[PushAction] = []
+
+    # -- sender
+    def _push(self, event: PushEvent) -> None:
+        for action in self.push.apply(event):
+            if action is PushAction.SEND_ABORT:
+                self.to_receiver.append("abort")
+            elif action is PushAction.SEND_ABORT_ACK:
+                self.to_receiver.append("abort_ack")
+            elif action is PushAction.RELEASE_STAGING:
+                self.released += 1
+            elif action in (PushAction.REPORT_FINISHED, PushAction.REPORT_FAILED):
+                self.sender_reports.append(action)
+        # No write outstanding: a drain is over at once.
+        if not self.outstanding and self.push.can(PushEvent.POSTS_DONE) and self.push.state in (
+                PushState.DRAINING, PushState.DRAINING_FOR_ACK):
+            self._push(PushEvent.POSTS_DONE)
+
+    @precondition(lambda self: self.push.posting and not self.posted)
+    @rule()
+    def post_every_layer(self) -> None:
+        self.posted = self.outstanding = True
+
+    @precondition(lambda self: self.outstanding and not self.lost)
+    @rule()
+    def posts_complete(self) -> None:
+        self.outstanding = False
+        if self.push.state in (PushState.STREAMING, PushState.DELIVERED_DRAINING):
+            self._push(PushEvent.ALL_POSTED)
+        elif self.push.can(PushEvent.POSTS_DONE):
+            self._push(PushEvent.POSTS_DONE)
+
+    @precondition(lambda self: not self.push.ended and not self.lost)
+    @rule()
+    def deadline_or_engine_abort(self) -> None:
+        self._push(PushEvent.ABORT_REQUESTED)
+
+    @precondition(lambda self: bool(self.to_sender) and not self.lost)
+    @rule()
+    def sender_reads(self) -> None:
+        kind = self.to_sender.popleft()
+        if self.push.ended:
+            return  # the sender has forgotten the lease
+        event = {"delivered": PushEvent.DELIVERED, "abort": PushEvent.RECEIVER_ABORT,
+                 "abort_ack": PushEvent.ABORT_ACKED}[kind]
+        self._push(event)
+
+    # -- receiver
+    def _lease(self, event: LeaseEvent) -> None:
+        for action in self.lease.apply(event):
+            if action is LeaseAction.SEND_DELIVERED:
+                self.to_sender.append("delivered")
+            elif action is LeaseAction.SEND_ABORT:
+                self.to_sender.append("abort")
+            elif action is LeaseAction.SEND_ABORT_ACK:
+                self.to_sender.append("abort_ack")
+            elif action is LeaseAction.FREE:
+                self.freed += 1
+
+    @precondition(lambda self: self.posted and not self.landed
+                  and self.lease.state is LeaseState.FILLING)
+    @rule()
+    def last_immediate_lands(self) -> None:
+        self.landed = True
+        self._lease(LeaseEvent.ALL_LANDED)
+
+    @precondition(lambda self: self.lease.state is LeaseState.LANDED)
+    @rule()
+    def checksum_done(self) -> None:
+        self._lease(LeaseEvent.CHECKED)
+
+    @precondition(lambda self: self.lease.state is not LeaseState.FREED)
+    @rule()
+    def decode_engine_releases(self) -> None:
+        self.engine_released = True
+        self._lease(LeaseEvent.ENGINE_RELEASE)
+
+    @precondition(lambda self: bool(self.to_receiver) and not self.lost)
+    @rule()
+    def receiver_reads(self) -> None:
+        kind = self.to_receiver.popleft()
+        if self.lease.state is LeaseState.FREED:
+            return  # the receiver has forgotten the lease
+        self._lease(LeaseEvent.SENDER_ABORT if kind == "abort" else LeaseEvent.SENDER_ACK)
+
+    @precondition(lambda self: not self.lost)
+    @rule()
+    def connection_lost(self) -> None:
+        self.lost = True
+        self.to_receiver.clear()
+        self.to_sender.clear()
+        self.outstanding = False  # the channel is torn down: no write is left
+        if not self.push.ended:
+            self._push(PushEvent.LINK_LOST)
+        if self.lease.state is not LeaseState.FREED:
+            self._lease(LeaseEvent.SESSION_LOST)
+
+    @precondition(lambda self: self.push.ended)
+    @rule()
+    def time_passes(self) -> None:
+        """Nothing happens: the run may go on after both ends settled."""
+
+    # -- what must hold
+    @invariant()
+    def while_connected_the_ends_never_disagree(self) -> None:
+        if self.lost or not self.push.ended or self.lease.outcome is Outcome.PENDING:
+            return
+        delivered_here = self.push.state is PushState.DELIVERED or (
+            self.sender_reports == [PushAction.REPORT_FINISHED])
+        assert delivered_here == (self.lease.outcome is Outcome.DELIVERED)
+
+    @invariant()
+    def a_delivered_request_stays_until_its_engine_releases_it(self) -> None:
+        if self.lease.outcome is Outcome.DELIVERED and not self.engine_released:
+            assert self.lease.holds_bytes
+
+    @invariant()
+    def each_end_reports_once_and_frees_once(self) -> None:
+        assert len(self.sender_reports) <= 1 and self.freed <= 1
+
+    def teardown(self) -> None:
+        """Let everything in flight happen; then both ends agree, nothing is held."""
+        for _ in range(50):
+            if self.outstanding and not self.lost:
+                self.posts_complete()
+            elif self.to_receiver and not self.lost:
+                self.receiver_reads()
+            elif self.to_sender and not self.lost:
+                self.sender_reads()
+            elif self.push.posting and not self.posted:
+                self.post_every_layer()
+            elif self.posted and not self.landed and self.lease.state is LeaseState.FILLING \
+                    and not self.lost:
+                self.last_immediate_lands()
+            elif self.lease.state is LeaseState.LANDED:
+                self.checksum_done()
+            else:
+                break
+        assert self.push.ended, self.push.state
+        if not self.lost:
+            assert self.lease.outcome is not Outcome.PENDING
+            finished = self.sender_reports == [PushAction.REPORT_FINISHED]
+            assert finished == (self.lease.outcome is Outcome.DELIVERED)
+        # The engines let go: decode releases what it holds, prefill its views.
+        if self.lease.state is LeaseState.HELD:
+            self.decode_engine_releases()
+        self._push(PushEvent.VIEWS_DROPPED)
+        assert (self.freed, self.released) == (1, 1)
+        assert self.lease.state is LeaseState.FREED and self.push.state is PushState.RETIRED
+
+
+BothEnds.TestCase.settings = settings(max_examples=1000, stateful_step_count=30,
+                                      deadline=None)
+TestBothEnds = BothEnds.TestCase
