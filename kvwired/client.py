@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import math
 import mmap
+import os
 import threading
 import time
 import uuid
@@ -23,7 +24,7 @@ from typing import Any, Generic, Self, TypeVar
 from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
-from .pool import map_shared_fd
+from .pool import map_shared_fd, map_slot, retire_mapping
 from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, message
 from .stream import MessageStream
 
@@ -69,15 +70,19 @@ class _Connection:
                  fail_all: Callable[[KvwireError], None]) -> None:
         self.path, self.role, self.schema = path, role, schema
         self._route, self._fail_all = route, fail_all
-        self.map: mmap.mmap | None = None
+        self.map: mmap.mmap | None = None  # the whole pool (decode engines, read-only)
+        self.fd: int | None = None  # the pool's fd (prefill engines map per push)
         self.welcome: Message = {}
         self._stream: MessageStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self.broken: KvwireError | None = None
 
-    async def open(self, writable: bool) -> None:
+    async def open(self, map_pool: bool) -> None:
         stream, welcome, fd = await connect_local(self.path, self.role, self.schema)
-        self.map = map_shared_fd(fd, int(welcome["pool_size"]), writable=writable)
+        if map_pool:
+            self.map = map_shared_fd(fd, int(welcome["pool_size"]), writable=False)
+        else:
+            self.fd = fd
         self.welcome, self._stream = welcome, stream
         self._reader_task = asyncio.create_task(self._read(stream))
 
@@ -112,6 +117,9 @@ class _Connection:
                 await self._reader_task
         if self._stream is not None:
             self._stream.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class OutgoingPush:
@@ -123,8 +131,12 @@ class OutgoingPush:
         self.req = req
         self.shape = shape
         self.chunk_bytes = chunk_bytes
-        assert client.conn.map is not None
-        self.buffer = memoryview(client.conn.map)[offset : offset + shape.total_bytes]
+        assert client.conn.fd is not None, "the sender's pool fd is kept for per-push maps"
+        # This push's own mapping of its staging: when it ends, the mapping is
+        # pointed at private memory, so a view kept past the end can never
+        # write into a later push that reuses the slot (see pool.retire_mapping).
+        self._mapping = map_slot(client.conn.fd, offset, shape.total_bytes)
+        self.buffer = memoryview(self._mapping)[: shape.total_bytes]
         self._committed = 0
         self._started = started
         self._result: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
@@ -170,10 +182,7 @@ class OutgoingPush:
             raise UsageError(
                 f"finish() before every layer was committed ({self._committed} of "
                 f"{self.shape.layers})", hint="commit all layers, or abort()")
-        try:
-            return await self._result
-        finally:
-            self.buffer.release()
+        return await self._result
 
     def abort(self) -> None:
         if not self._result.done():
@@ -185,12 +194,24 @@ class OutgoingPush:
                 self.req, self.shape.total_bytes, msg["checksum"],
                 time.perf_counter() - self._started, dict(msg["timings"])))
         self._sent(self.shape.layers - 1)
+        self._retire()
 
     def _failed(self, error: KvwireError) -> None:
         if not self._result.done():
             self._result.set_exception(error)
             self._result.exception()  # mark retrieved: the caller may never finish()
         self._sent_changed.set()
+        self._retire()
+
+    def _retire(self, tell_daemon: bool = True) -> None:
+        """The push ended: take its staging away from every view, then let the
+        daemon reuse it."""
+        if self._mapping.closed:
+            return
+        self.buffer.release()
+        retire_mapping(self._mapping)
+        if tell_daemon and self.client.conn.broken is None:
+            self.client.conn.send(message("dropped", req=self.req))
 
 
 @dataclass
@@ -250,7 +271,7 @@ class SenderClient(_LocalClient):
     @classmethod
     async def connect(cls, path: str = DEFAULT_SENDER_SOCKET) -> SenderClient:
         client = cls(path)
-        await client.conn.open(writable=True)
+        await client.conn.open(map_pool=False)
         return client
 
     async def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
@@ -363,6 +384,13 @@ class SenderClient(_LocalClient):
             if push is not None:
                 push._finished(msg)
 
+    async def close(self) -> None:
+        # Views of pushes still open lose their staging too: the daemon frees
+        # it once this connection is gone.
+        for push in self._pushes.values():
+            push._retire(tell_daemon=False)
+        await super().close()
+
     def _fail_all(self, error: KvwireError) -> None:
         for opening in self._opening.values():
             if not opening.future.done():
@@ -385,7 +413,7 @@ class ReceiverClient(_LocalClient):
     @classmethod
     async def connect(cls, path: str = DEFAULT_RECEIVER_SOCKET) -> ReceiverClient:
         client = cls(path)
-        await client.conn.open(writable=False)
+        await client.conn.open(map_pool=True)
         return client
 
     def subscribe(self, req: str) -> None:

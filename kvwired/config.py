@@ -83,6 +83,9 @@ class ReceiverConfig(CommonConfig):
     credits: int = _opt(
         64, "layer announcements (immediates) one sender may have in flight: the receive "
         "queue depth per sender")
+    unclaimed_ttl: float = _opt(
+        300.0, "seconds a delivered request waits for a decode engine to subscribe before "
+        "it is reclaimed (an engine that disconnects frees what it held at once)")
     metrics: str = _opt("127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: off)")
 
 
@@ -214,6 +217,8 @@ def _check(config: CommonConfig) -> None:
         parse_address(config.listen, 7471)
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
+        if not config.unclaimed_ttl > 0:
+            raise ConfigError("unclaimed_ttl must be a positive number of seconds")
     if isinstance(config, SenderConfig):
         config.chunk_bytes  # noqa: B018  (validates the granularity)
         for name, address in config.peers.items():

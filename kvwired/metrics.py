@@ -165,6 +165,15 @@ class Metrics:
             "kvwire_protocol_errors_total", "frames rejected (malformed, wrong version, ...)",
             ["channel"], registry=r,
         )
+        # Delivered requests taken back without a release: their engine died
+        # holding them (engine_gone), or none claimed them in time (unclaimed).
+        self.reclaimed = Counter(
+            "kvwire_reclaimed_total",
+            "delivered requests freed without a release, by reason",
+            ["reason"], registry=r,
+        )
+        for reason in ("engine_gone", "unclaimed"):
+            self.reclaimed.labels(reason)
         self.stale_immediates = Counter(
             "kvwire_stale_immediates_total",
             "immediates naming a lease that is no longer live (dropped, never delivered)",

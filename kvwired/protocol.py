@@ -180,6 +180,9 @@ SENDER_LOCAL: Schema = {
     "finished": {"req": REQ, "checksum": CHECKSUM, "timings": DICT},
     "abort": {"req": REQ},
     "failed": {"req": REQ, "error": ERROR},
+    # After finished/failed: the engine holds no view of the request's
+    # staging any more, so the daemon may reuse it.
+    "dropped": {"req": REQ},
     # Experiments run by the daemon (kvctl run): progress, one row per
     # finished measurement, then the result or ``failed``.
     "run": {"req": REQ, "experiment": STR, "params": DICT},

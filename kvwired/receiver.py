@@ -34,6 +34,7 @@ from .errors import (
     UsageError,
 )
 from .layout import RequestShape
+from .lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
 from .localsock import HELLO_TIMEOUT
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
@@ -44,6 +45,8 @@ from .units import format_size
 
 log = structlog.get_logger("kvwired.receiver")
 
+HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.FREED)
+
 
 
 class Consumer:
@@ -51,6 +54,7 @@ class Consumer:
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
+        self.subscribed: set[str] = set()
 
     def send(self, msg: Message) -> None:
         if not self.writer.is_closing():
@@ -59,16 +63,30 @@ class Consumer:
 
 @dataclass(eq=False)
 class Lease:
+    """One request's slot of the pool, from ``lease`` until it is freed.
+
+    ``machine`` (kvwired.lifecycle.lease) decides every move; the daemon
+    feeds it events and carries out the actions it returns.
+    """
+
     id: int
     req: str
     shape: RequestShape
     slot: Slot
     session: SenderSession
-    state: str = "filling"  # filling -> landed -> complete; or aborting
+    machine: LeaseMachine
     landed: int = 0
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
+    # Decode engines subscribed to it now, and whether any ever did.
+    holders: set[Consumer] = field(default_factory=set)
+    claimed: bool = False
+    error: KvwireError | None = None  # why it was aborted, for subscribers
+
+    @property
+    def state(self) -> LeaseState:
+        return self.machine.state
 
 
 @dataclass(eq=False)
@@ -176,18 +194,21 @@ class ReceiverDaemon(Daemon):
                    "(verbs; 0 over tcp)", ["peer"], [session.name], float(posted))
             yield ("kvwire_peer_up", "1 while the sender's connections are up", ["peer"],
                    [session.name], 1.0)
-        yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
-               ["arriving"], float(self._arriving()))
-        yield ("kvwire_leases", "requests holding pool slots, by state", ["state"],
-               ["delivered"], float(sum(lease.state == "complete"
-                                        for lease in self.leases.values())))
+        # Every state that holds pool bytes, so used bytes always add up.
+        counts: dict[LeaseState, int] = dict.fromkeys(HOLDING_STATES, 0)
+        for lease in self.leases.values():
+            counts[lease.state] += 1
+        for state, count in counts.items():
+            yield ("kvwire_leases", "requests holding pool slots, by lifecycle state "
+                   "(filling, landed, held for decode, aborting)", ["state"],
+                   [state.name.lower()], float(count))
 
     def in_flight(self) -> int:
         return self._arriving()
 
     def _arriving(self) -> int:
         """Requests leased whose bytes are still landing or being checked."""
-        return sum(lease.state in ("filling", "landed") for lease in self.leases.values())
+        return sum(lease.machine.arriving for lease in self.leases.values())
 
     def status_line(self) -> str:
         filling = self._arriving()
@@ -266,16 +287,25 @@ class ReceiverDaemon(Daemon):
         kind = msg["t"]
         if kind == "open":
             spawn(self._open(session, msg), f"open-{msg['req']}")
-        elif kind == "abort":
+        elif kind in ("abort", "abort_ack"):
+            # A lease this sender no longer holds is one we already freed: the
+            # message crossed ours. Anything else out of turn breaks the protocol.
             lease = self.leases.get(msg["lease"])
-            if lease is not None and lease.session is session and lease.state != "complete":
-                log.info("sender aborted request", req=lease.req, reason=msg["error"])
-                self._fail_lease(lease, RequestAborted(
-                    f"the sender aborted request {lease.req}: {msg['error'].get('message')}"))
-        elif kind == "abort_ack":
-            lease = self.leases.get(msg["lease"])
-            if lease is not None and lease.session is session and lease.state == "aborting":
-                self._free_lease(lease)
+            if lease is None or lease.session is not session:
+                if kind == "abort" and session.alive:
+                    # Long gone (delivered and released, or freed with a lost
+                    # connection): whatever we said about it went out first.
+                    session.conn.send(message("abort_ack", req=msg["req"], lease=msg["lease"]))
+                return
+            if kind == "abort":
+                log.info("sender aborted request", req=lease.req, state=lease.state.name,
+                         reason=msg["error"].get("message"))
+                lease.error = lease.error or RequestAborted(
+                    f"the sender aborted request {lease.req}: {msg['error'].get('message')}",
+                    hint="the prefill side gave up on it (deadline, abort, or it left)")
+                self._lease_event(lease, LeaseEvent.SENDER_ABORT)
+            else:
+                self._lease_event(lease, LeaseEvent.SENDER_ACK)
         elif kind in self._routes:
             self._routes[kind].handle(session, msg)
         elif kind == "bye":
@@ -316,9 +346,12 @@ class ReceiverDaemon(Daemon):
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
             return
-        lease = Lease(self.allocate_lease_id(), req, shape, slot, session,
+        lease = Lease(self.allocate_lease_id(), req, shape, slot, session, LeaseMachine(req),
                       opened_at=asyncio.get_running_loop().time(),
                       discard=bool(msg.get("discard")))
+        # Engines that subscribed before it was opened hold it already.
+        lease.holders = set(self.subscribers.get(req, ()))
+        lease.claimed = bool(lease.holders)
         self.leases[lease.id] = lease
         self.by_req[req] = lease
         session.leases.add(lease.id)
@@ -347,7 +380,8 @@ class ReceiverDaemon(Daemon):
         if lease is None and any(service.on_immediate(session, lease_id, layer)
                                  for service in self.services):
             return
-        if (lease is None or lease.session is not session or lease.state != "filling"
+        if (lease is None or lease.session is not session
+                or lease.state is not LeaseState.FILLING
                 or not lease.landed <= layer < lease.shape.layers):
             self.metrics.stale_immediates.inc()
             log.debug("stale immediate dropped", lease=lease_id, layer=layer)
@@ -358,7 +392,7 @@ class ReceiverDaemon(Daemon):
             (layer + 1 - lease.landed) * lease.shape.layer_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
-            lease.state = "landed"
+            self._lease_event(lease, LeaseEvent.ALL_LANDED)
             spawn(self._complete(lease), f"complete-{lease.req}")
 
     def _count_received(self, session: SenderSession) -> None:
@@ -390,21 +424,19 @@ class ReceiverDaemon(Daemon):
         view = self.pool.memory.view[start : start + lease.shape.total_bytes]
         # zlib releases the GIL on large buffers: the loop keeps serving.
         checksum = await asyncio.to_thread(zlib.crc32, view)
-        if lease.state != "landed" or self.leases.get(lease.id) is not lease:
-            return
-        lease.state = "complete"
+        if self.leases.get(lease.id) is not lease or lease.state is not LeaseState.LANDED:
+            return  # aborted while it was being checked
         lease.checksum = checksum
         elapsed = asyncio.get_running_loop().time() - lease.opened_at
         self.metrics.requests.labels(lease.session.name, "delivered").inc()
         self.metrics.request_seconds.labels(lease.session.name).observe(elapsed)
-        lease.session.conn.send(message("delivered", req=lease.req, lease=lease.id,
-                                        checksum=checksum))
-        if lease.discard:
-            self._free_lease(lease)  # nobody consumes an experiment's request
-        else:
-            self._notify(lease.req, self._complete_message(lease))
+        # Nobody consumes an experiment's request: it is freed at once.
+        self._lease_event(lease, LeaseEvent.CHECKED_DISCARD if lease.discard
+                          else LeaseEvent.CHECKED)
         log.info("request delivered", req=lease.req, sender=lease.session.name,
                  bytes=lease.shape.total_bytes, seconds=round(elapsed, 6))
+        if lease.machine.state is LeaseState.HELD:  # not discarded
+            self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
 
     @staticmethod
     def _complete_message(lease: Lease) -> Message:
@@ -421,23 +453,43 @@ class ReceiverDaemon(Daemon):
 
     # --------------------------------------------------- lease bookkeeping
 
-    def _fail_lease(self, lease: Lease, error: KvwireError) -> None:
-        """The request will not be delivered: tell subscribers, free its slot."""
-        if lease.state in ("filling", "landed", "aborting"):
-            self.metrics.requests.labels(lease.session.name, "failed").inc()
-            self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
-        self._free_lease(lease)
+    def _lease_event(self, lease: Lease, event: LeaseEvent) -> None:
+        """Move ``lease``'s machine and carry out what it says."""
+        before = lease.state
+        for action in lease.machine.apply(event):
+            self._carry_out(lease, action)
+        if lease.state is LeaseState.FREED and before is not LeaseState.FREED:
+            outcome = lease.machine.outcome
+            if outcome is Outcome.ABORTED and before is not LeaseState.ABORTING:
+                self.metrics.requests.labels(lease.session.name, "failed").inc()
 
-    def _free_lease(self, lease: Lease) -> None:
-        if self.leases.get(lease.id) is not lease:
-            return
-        del self.leases[lease.id]
-        self.free_lease_id(lease.id)
-        self.by_req.pop(lease.req, None)
-        lease.session.leases.discard(lease.id)
-        lease.state = "freed"
-        self.pool.release(lease.slot)
-        self.update_pool_metrics()
+    def _carry_out(self, lease: Lease, action: LeaseAction) -> None:
+        session = lease.session
+        error = lease.error or RequestAborted(f"request {lease.req} was aborted")
+        if action is LeaseAction.SEND_DELIVERED:
+            if session.alive:
+                session.conn.send(message("delivered", req=lease.req, lease=lease.id,
+                                          checksum=lease.checksum))
+        elif action is LeaseAction.SEND_ABORT:
+            self.metrics.requests.labels(session.name, "aborted").inc()
+            if session.alive:
+                session.conn.send(message("abort", req=lease.req, lease=lease.id,
+                                          error=error.to_wire()))
+        elif action is LeaseAction.SEND_ABORT_ACK:
+            if session.alive:
+                session.conn.send(message("abort_ack", req=lease.req, lease=lease.id))
+        elif action is LeaseAction.NOTIFY_COMPLETE:
+            self._notify(lease.req, self._complete_message(lease))
+        elif action is LeaseAction.NOTIFY_FAILED:
+            self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
+        elif action is LeaseAction.FREE:
+            del self.leases[lease.id]
+            self.free_lease_id(lease.id)
+            if self.by_req.get(lease.req) is lease:
+                del self.by_req[lease.req]
+            session.leases.discard(lease.id)
+            self.pool.release(lease.slot)
+            self.update_pool_metrics()
 
     def _drop_session(self, session: SenderSession, error: KvwireError) -> None:
         if not session.alive:
@@ -449,19 +501,21 @@ class ReceiverDaemon(Daemon):
             session.responder.close()
         for service in self.services:
             service.session_closed(session)
+        # The connection is gone, so no write of it can land any more: what
+        # was not delivered is aborted; what was stays for its decode engine.
         for lease_id in list(session.leases):
             lease = self.leases[lease_id]
-            if lease.state != "complete":
-                # The connection is gone, so no write of it can land any more.
-                self._fail_lease(lease, error)
+            lease.error = lease.error or error
+            self._lease_event(lease, LeaseEvent.SESSION_LOST)
 
-    def _abort_by_receiver(self, lease: Lease, error: KvwireError) -> None:
-        """Stop a request still filling; its slot is freed once the sender confirms."""
-        self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
-        self.metrics.requests.labels(lease.session.name, "aborted").inc()
-        lease.state = "aborting"
-        lease.session.conn.send(message("abort", req=lease.req, lease=lease.id,
-                                        error=error.to_wire()))
+    def _reclaim_unclaimed_after(self, lease: Lease, ttl: float) -> None:
+        def reclaim() -> None:
+            if lease.state is LeaseState.HELD and not lease.claimed:
+                log.warning("delivered request reclaimed: no decode engine claimed it",
+                            req=lease.req, sender=lease.session.name, ttl=ttl)
+                self.metrics.reclaimed.labels("unclaimed").inc()
+                self._lease_event(lease, LeaseEvent.RECLAIM)
+        asyncio.get_running_loop().call_later(ttl, reclaim)
 
     def update_pool_metrics(self) -> None:
         self.metrics.set_pool("receive", self.pool.size, self.pool.used_bytes)
@@ -476,11 +530,9 @@ class ReceiverDaemon(Daemon):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         consumer = Consumer(writer)
-        subscribed: set[str] = set()
 
         def dispatch(msg: Message) -> None:
             if msg["t"] == "subscribe":
-                subscribed.add(msg["req"])
                 self._subscribe(consumer, msg["req"])
             elif msg["t"] == "release":
                 self._release(consumer, msg["req"])
@@ -494,21 +546,37 @@ class ReceiverDaemon(Daemon):
                                     "decode engine")
         finally:
             os.close(fd)
-            for req in subscribed:
-                subs = self.subscribers.get(req)
-                if subs is not None:
-                    subs.discard(consumer)
-                    if not subs:
-                        del self.subscribers[req]
+            self._consumer_gone(consumer)
+
+    def _consumer_gone(self, consumer: Consumer) -> None:
+        """A decode engine left (or died): what only it held goes back to the pool."""
+        for req in consumer.subscribed:
+            subs = self.subscribers.get(req)
+            if subs is not None:
+                subs.discard(consumer)
+                if not subs:
+                    del self.subscribers[req]
+            lease = self.by_req.get(req)
+            if lease is None:
+                continue
+            lease.holders.discard(consumer)
+            if lease.state is LeaseState.HELD and not lease.holders:
+                log.warning("delivered request reclaimed: its decode engine left without "
+                            "releasing it", req=req, sender=lease.session.name)
+                self.metrics.reclaimed.labels("engine_gone").inc()
+                self._lease_event(lease, LeaseEvent.RECLAIM)
 
     def _subscribe(self, consumer: Consumer, req: str) -> None:
+        consumer.subscribed.add(req)
         self.subscribers.setdefault(req, set()).add(consumer)
         lease = self.by_req.get(req)
         if lease is None:
             return  # not opened yet: events follow when it is
+        lease.holders.add(consumer)
+        lease.claimed = True
         for n in range(lease.landed):
             consumer.send(message("layer", req=req, layer=n))
-        if lease.state == "complete":
+        if lease.state is LeaseState.HELD:
             consumer.send(self._complete_message(lease))
 
     def _release(self, consumer: Consumer, req: str) -> None:
@@ -520,10 +588,11 @@ class ReceiverDaemon(Daemon):
             return
         # The releasing engine is told "released", not that its request failed.
         self.subscribers.get(req, set()).discard(consumer)
-        if lease.state == "complete":
-            self._free_lease(lease)
-        elif lease.state in ("filling", "landed"):
-            self._abort_by_receiver(lease, RequestAborted(
-                f"the decode engine released request {req} before it was delivered"))
+        consumer.subscribed.discard(req)
+        if lease.machine.arriving:
+            lease.error = RequestAborted(
+                f"the decode engine released request {req} before it was delivered",
+                hint="release a request once it is delivered, or let the sender finish it")
+        self._lease_event(lease, LeaseEvent.ENGINE_RELEASE)
         self.subscribers.pop(req, None)
         consumer.send(message("released", req=req))

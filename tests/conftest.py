@@ -3,7 +3,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,3 +74,14 @@ def lab() -> Iterator[LabState]:
     state = machine.require_state()
     yield state
     subprocess.run([sys.executable, "-m", "kvctl", "lab", "down"], capture_output=True)
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10.0,
+                what: str = "condition") -> float:
+    """Wait for ``condition`` (polling, never a fixed sleep); the seconds it took."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while not condition():
+        assert loop.time() - started < timeout, f"{what} not reached within {timeout:g} s"
+        await asyncio.sleep(0.01)
+    return loop.time() - started

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import mmap
+import os
 from typing import Any
 
 import pytest
@@ -18,7 +18,8 @@ def _client() -> tuple[SenderClient, list[Message]]:
     """A client whose connection is a list of what it sent, over 1 MiB of memory."""
     client = SenderClient("/nonexistent.sock")
     sent: list[Message] = []
-    client.conn.map = mmap.mmap(-1, 1 << 20)
+    client.conn.fd = os.memfd_create("staging")
+    os.ftruncate(client.conn.fd, 1 << 20)
     client.conn.send = sent.append  # type: ignore[method-assign,assignment]
     return client, sent
 

@@ -289,7 +289,8 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
                                      {"pool": "receive", "state": "used"}) == 3 << 20
     assert registry.get_sample_value("kvwire_peers_connected") == 1
     assert registry.get_sample_value("kvwire_peer_up", {"peer": "prefill"}) == 1
-    assert registry.get_sample_value("kvwire_leases", {"state": "delivered"}) == 1
+    assert registry.get_sample_value("kvwire_leases", {"state": "held"}) == 1
+    assert registry.get_sample_value("kvwire_leases", {"state": "filling"}) == 0
     assert registry.get_sample_value("kvwire_receives_posted", {"peer": "prefill"}) == 0
     assert registry.get_sample_value("process_start_time_seconds") is not None
 

@@ -227,6 +227,9 @@ class EchoInitiator:
     def delivered(self, checksum: int) -> None:
         """Echo leases are never delivered; the link's holder protocol asks."""
 
+    def abort_acked(self) -> None:
+        """Echo leases end with echo_close, never with an abort of ours."""
+
     def fail(self, error: Exception, *, by_receiver: bool = False) -> None:
         if self.error is None:
             self.error = error if isinstance(error, KvwireError) else TransportError(str(error))

@@ -115,6 +115,11 @@ class SenderDaemon(Daemon):
     def in_flight(self) -> int:
         return len(self.pushes)
 
+    @property
+    def holding_staging(self) -> int:
+        """Pushes whose staging is not back in the pool yet (outcome or views pending)."""
+        return len(self.driver.holding)
+
     def status_line(self) -> str:
         connected = sum(link.connected for link in self.links.values())
         return (f"{'draining' if self.draining else 'ready'}: {connected}/{len(self.links)} "
@@ -192,6 +197,7 @@ class SenderDaemon(Daemon):
         that commits as fast as it can would drive it.
         """
         push = await self.open_push(req, peer, shape, chunk_bytes, discard=discard)
+        push.drop_views()  # nothing but this daemon ever sees its staging
         for layer in range(shape.layers):
             push.commit(layer)
         return (await push.outcome).timings

@@ -40,7 +40,9 @@ class EngineSession:
         self._send = send
         self._open_push = open_push
         self._run_experiment = run_experiment
-        self.pushes: dict[str, Push] = {}
+        self.pushes: dict[str, Push] = {}  # open: commits and aborts go to them
+        # Ended, their staging held until the engine says it dropped its views.
+        self.viewed: dict[str, Push] = {}
         self.runs: dict[str, asyncio.Task[None]] = {}
         self.gone = False
 
@@ -55,6 +57,9 @@ class EngineSession:
             spawn(self._open(msg), f"open-{req}")
         elif kind == "run":
             self._run(msg)
+        elif kind == "dropped":
+            if (ended := self.viewed.pop(req, None)) is not None:
+                ended.drop_views()
         elif kind not in ("commit", "abort"):
             raise ProtocolError(f"a prefill engine may not send {kind!r}")
         elif (push := self.pushes.get(req)) is None:
@@ -77,6 +82,7 @@ class EngineSession:
         if self.gone:
             push.abort(RequestAborted(
                 f"the prefill engine disconnected while request {req} was being opened"))
+            push.drop_views()
             return
         self.pushes[req] = push
         push.on_sent = lambda layer: self.send(message("sent", req=req, layer=layer))
@@ -86,6 +92,10 @@ class EngineSession:
 
     def _ended(self, push: Push, outcome: asyncio.Future[Delivery]) -> None:
         self.pushes.pop(push.req, None)
+        if self.gone:
+            push.drop_views()
+        else:
+            self.viewed[push.req] = push
         error = outcome.exception()
         if error is None:
             delivery = outcome.result()
@@ -115,3 +125,7 @@ class EngineSession:
         for push in list(self.pushes.values()):
             push.abort(RequestAborted(
                 f"the prefill engine disconnected before request {push.req} was delivered"))
+            push.drop_views()  # its process has closed or lost its mappings with it
+        for push in self.viewed.values():
+            push.drop_views()
+        self.viewed.clear()

@@ -47,6 +47,9 @@ class LeaseHolder(Protocol):
     def delivered(self, checksum: int) -> None:
         """The receiver has every byte and says so."""
 
+    def abort_acked(self) -> None:
+        """The receiver aborted the lease at our request."""
+
     def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
         """The receiver aborted the lease, or the link went down."""
 
@@ -182,12 +185,14 @@ class PeerLink:
         if kind == "credits":
             self.credits += msg["n"]
             self._credit_freed.set()
-        elif kind in ("delivered", "abort"):
+        elif kind in ("delivered", "abort", "abort_ack"):
             holder = self.holders.get(msg["lease"])
             if holder is None:
                 return  # already ended on our side
             if kind == "abort":
                 holder.fail(from_wire(msg["error"]), by_receiver=True)
+            elif kind == "abort_ack":
+                holder.abort_acked()
             else:
                 holder.delivered(msg["checksum"])
         elif kind == "bye":
@@ -202,15 +207,19 @@ class PeerLink:
 
     def _answer(self, msg: Message) -> None:
         req = msg["req"]
-        waiting = self._waiting.get(req)
-        if waiting is not None and not waiting[0].done():
-            future = waiting[0]
-            if msg["t"] == "refused":
-                future.set_exception(from_wire(msg["error"]))
-            else:
-                future.set_result(msg)
-            return
-        undo = self._abandoned.pop(req, None)
+        waiting = self._waiting.pop(req, None)
+        if waiting is not None:
+            future, undo = waiting
+            if not future.done():
+                if msg["t"] == "refused":
+                    future.set_exception(from_wire(msg["error"]))
+                else:
+                    future.set_result(msg)
+                return
+            # Its waiter was cancelled in this very loop turn and will never
+            # take the answer.
+        else:
+            undo = self._abandoned.pop(req, None)
         if undo is not None and msg["t"] != "refused":
             self._undo(undo, msg)
 
@@ -239,16 +248,19 @@ class PeerLink:
         try:
             return await future
         except asyncio.CancelledError:
-            # Cancelling the waiting task cancels ``future`` too, unless the
-            # answer came in the same loop turn: then it is undone at once.
+            # Three ways to be cancelled: before the answer (it will be undone
+            # when it comes), after ``_answer`` took an answer for a waiter
+            # already cancelled (undone there), or with the answer in hand in
+            # the turn of the cancellation (undone here).
             if undo is not None:
-                if future.cancelled() or not future.done():
+                if self._waiting.get(req, (None,))[0] is future:
                     self._abandoned[req] = undo
-                elif future.exception() is None:
+                elif future.done() and not future.cancelled() and future.exception() is None:
                     self._undo(undo, future.result())
             raise
         finally:
-            self._waiting.pop(req, None)
+            if self._waiting.get(req, (None,))[0] is future:
+                del self._waiting[req]
 
     async def open(self, req: str, shape: RequestShape, discard: bool = False) -> Message:
         """Lease a slot for ``req``: the receiver's ``lease`` answer."""

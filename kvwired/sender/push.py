@@ -2,11 +2,12 @@
 
 The driver reserves staging and a lease, then turns each committed layer
 into one post of writes (the last carrying the immediate that announces the
-layer), and ends the push exactly once: delivered with the receiver's
-checksum, or failed with a typed error after no posted write can still read
-its staging. Whoever opened the push hears the end through ``Push.outcome``
-and the layers placed through ``on_sent``; the driver does not know whether
-that is an engine on the unix socket or an experiment.
+layer). From the grant on, every move of a push goes through its
+``PushMachine`` (kvwired.lifecycle.push): the posting task, the link's
+messages, deadlines and the engine only *feed events*; ``Push.event``
+carries out the actions the machine returns. So a push ends once, with the
+outcome the receiver committed, and its staging goes back once, after no
+posted write and no engine view can still touch it.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from ..errors import (
     DuplicateRequest,
     KvwireError,
     PeerLost,
+    RequestAborted,
     TransportError,
     UsageError,
     internal_error,
 )
 from ..layout import ChunkCursor, RequestShape
+from ..lifecycle.push import PushAction, PushEvent, PushMachine, PushState
 from ..metrics import Metrics
 from ..pool import Pool, Slot
 from ..protocol import message
@@ -44,7 +47,7 @@ Timings = dict[str, float]
 
 @dataclass(eq=False)
 class Push:
-    """One request from open to its one outcome: what it holds and how far it got."""
+    """One request from its grant to its staging back: what it holds, how far it got."""
 
     req: str
     link: PeerLink
@@ -56,39 +59,70 @@ class Push:
     opened_at: float
     granted_at: float
     driver: PushDriver
-    deadline: float | None = None  # time.monotonic() at which it fails
+    machine: PushMachine = field(init=False)
+    deadline: float | None = None  # time.monotonic() at which an abort is requested
     # Layers up to n are placed remotely: the engine may reuse their staging.
     on_sent: Callable[[int], None] | None = None
     outcome: asyncio.Future[Delivery] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     commits: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
     posts: list[asyncio.Future[None]] = field(default_factory=list)
-    confirmed: asyncio.Future[int] = field(
-        default_factory=lambda: asyncio.get_running_loop().create_future())
-    error: KvwireError | None = None
-    aborted_by_receiver: bool = False
+    error: KvwireError | None = None  # why an abort was requested (or the link failed)
+    checksum: int = 0
     post_seconds: float = 0.0
     first_commit_at: float = 0.0
     last_commit_at: float = 0.0
     writes: int = 0
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # the posting loop
+    views_dropped: bool = False  # whoever opened it holds no view of its staging
+    _timers: list[asyncio.TimerHandle] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.machine = PushMachine(self.req)
+        self.machine.apply(PushEvent.GRANTED)
+
+    @property
+    def state(self) -> PushState:
+        return self.machine.state
 
     def commit(self, layer: int) -> None:
         if self.first_commit_at == 0.0:
             self.first_commit_at = time.monotonic()
         self.commits.put_nowait(layer)
 
+    def event(self, event: PushEvent) -> None:
+        """Feed one event; carry out what the machine says."""
+        for action in self.machine.apply(event):
+            self.driver.carry_out(self, action)
+
     def abort(self, error: KvwireError) -> None:
-        self.driver.fail(self, error)
+        """Ask for an abort (deadline, engine): the receiver's verdict decides."""
+        if self.machine.can(PushEvent.ABORT_REQUESTED):
+            self.error = self.error or error
+            self.event(PushEvent.ABORT_REQUESTED)
+
+    def drop_views(self) -> None:
+        """Whoever opened it holds no view of its staging any more: once the
+        outcome is known too, the staging goes back to the pool."""
+        self.views_dropped = True
+        if self.machine.can(PushEvent.VIEWS_DROPPED):
+            self.event(PushEvent.VIEWS_DROPPED)
 
     # The link's LeaseHolder side.
     def delivered(self, checksum: int) -> None:
-        if not self.confirmed.done():
-            self.confirmed.set_result(checksum)
+        self.checksum = checksum
+        if self.machine.can(PushEvent.DELIVERED):
+            self.event(PushEvent.DELIVERED)
 
     def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
-        self.aborted_by_receiver = self.aborted_by_receiver or by_receiver
-        self.driver.fail(self, error)
+        if self.machine.ended:
+            return
+        self.error = error if by_receiver or self.error is None else self.error
+        self.event(PushEvent.RECEIVER_ABORT if by_receiver else PushEvent.LINK_LOST)
+
+    def abort_acked(self) -> None:
+        if not self.machine.ended:
+            self.event(PushEvent.ABORT_ACKED)
 
 
 @dataclass(frozen=True)
@@ -106,7 +140,8 @@ class PushDriver:
         self.config = config
         self.staging = staging
         self.metrics = metrics
-        self.pushes: dict[str, Push] = {}
+        self.pushes: dict[str, Push] = {}  # until their outcome is known
+        self.holding: set[Push] = set()  # until their staging is back
 
     def update_pool_metrics(self) -> None:
         self.metrics.set_pool("staging", self.staging.size, self.staging.used_bytes)
@@ -117,7 +152,8 @@ class PushDriver:
         """Staging and a lease for ``req``; the push is driven from then on.
 
         Raises a ``KvwireError`` (``DeadlineExceeded`` when ``deadline``
-        seconds pass first); nothing is held then.
+        seconds pass first); nothing is held then: a lease granted after the
+        deadline is given back by the link.
         """
         opened_at = time.monotonic()
         try:
@@ -127,12 +163,17 @@ class PushDriver:
             raise DeadlineExceeded(
                 f"request {req} could not be opened within its {deadline:g} s deadline",
                 hint="raise the deadline, or check the receiver's pool and the link") from None
-        if deadline is not None:
-            push.deadline = opened_at + deadline
         self.pushes[req] = push
+        self.holding.add(push)
         link.attach(push.lease, push)
         self.update_pool_metrics()
-        push.task = spawn(self._drive(push), f"push-{req}")
+        if deadline is not None:
+            push.deadline = opened_at + deadline
+            push._timers.append(asyncio.get_running_loop().call_later(
+                max(0.0, push.deadline - time.monotonic()), push.abort,
+                DeadlineExceeded(f"request {req} missed its {deadline:g} s deadline",
+                                 hint="raise the deadline, or push less at once")))
+        push.task = spawn(self._post(push), f"push-{req}")
         return push
 
     async def _reserve(self, req: str, link: PeerLink, shape: RequestShape, chunk_bytes: int,
@@ -159,7 +200,8 @@ class PushDriver:
 
     # ----------------------------------------------------------- data path
 
-    async def _drive(self, push: Push) -> None:
+    async def _post(self, push: Push) -> None:
+        """Commits become posts while the push is streaming; then wait for them."""
         link = push.link
         cursor = ChunkCursor(push.shape, push.chunk_bytes)
         peer_bytes = self.metrics.bytes.labels(link.name, "sent")
@@ -167,89 +209,144 @@ class PushDriver:
         imm_writes = self.metrics.writes.labels(link.name, "sent", "write_imm")
         sizes = self.metrics.write_sizes
         try:
-            async with asyncio.timeout_at(self._loop_deadline(push)):
-                while not cursor.done:
-                    layer = await push.commits.get()
-                    batch = cursor.commit(layer)
-                    if batch is None:
-                        continue
-                    await link.take_credit()
-                    channel = link.channel
-                    if channel is None:
-                        raise PeerLost(f"receiver {link.name} went away")
-                    started = time.perf_counter()
-                    base_local, base_remote = push.staging.offset, push.remote_offset
-                    writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
-                              for c in batch.chunks]
-                    posted = channel.post(
-                        writes, immediate.pack(push.lease, batch.completes_layer))
-                    posted.add_done_callback(self._sent_callback(push, batch.completes_layer))
-                    push.posts.append(posted)
-                    push.post_seconds += time.perf_counter() - started
-                    push.writes += len(writes)
-                    plain_writes.inc(len(writes) - 1)
-                    imm_writes.inc()
-                    peer_bytes.inc(sum(c.length for c in batch.chunks))
-                    # Chunks of a batch are one size but for a layer's tail.
-                    first, last = batch.chunks[0].length, batch.chunks[-1].length
-                    sizes.observe(link.name, first, len(batch.chunks) - 1)
-                    sizes.observe(link.name, last)
-                    # Let the data path start on this layer before the next
-                    # committed one is cut into writes.
-                    await asyncio.sleep(0)
-                push.last_commit_at = time.monotonic()
-                await asyncio.gather(*push.posts)
-                checksum = await self._confirmation(push)
-        except TimeoutError:
-            self.fail(push, DeadlineExceeded(f"request {push.req} missed its deadline"))
-            return
+            while not cursor.done:
+                layer = await push.commits.get()
+                batch = cursor.commit(layer)
+                if batch is None:
+                    continue
+                await link.take_credit()
+                channel = link.channel
+                if channel is None or not push.machine.posting:
+                    raise PeerLost(f"receiver {link.name} went away")
+                started = time.perf_counter()
+                base_local, base_remote = push.staging.offset, push.remote_offset
+                writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
+                          for c in batch.chunks]
+                posted = channel.post(writes, immediate.pack(push.lease, batch.completes_layer))
+                posted.add_done_callback(self._sent_callback(push, batch.completes_layer))
+                push.posts.append(posted)
+                push.post_seconds += time.perf_counter() - started
+                push.writes += len(writes)
+                plain_writes.inc(len(writes) - 1)
+                imm_writes.inc()
+                peer_bytes.inc(sum(c.length for c in batch.chunks))
+                # Chunks of a batch are one size but for a layer's tail.
+                first, last = batch.chunks[0].length, batch.chunks[-1].length
+                sizes.observe(link.name, first, len(batch.chunks) - 1)
+                sizes.observe(link.name, last)
+                # Let the data path start on this layer before the next
+                # committed one is cut into writes.
+                await asyncio.sleep(0)
+            push.last_commit_at = time.monotonic()
+            await asyncio.gather(*push.posts)
+        except asyncio.CancelledError:
+            return  # an abort stopped the posting; the drain waits for what was posted
         except TransportError as exc:
-            # The channel's failure, named after its receiver.
-            self.fail(push, link.failure or exc)
+            # The channel's failure, named after its receiver: the link goes down.
+            self._link_failed(push, link.failure or exc)
             return
         except KvwireError as exc:
-            self.fail(push, exc)
+            self._link_failed(push, exc)
             return
         except Exception as exc:
             log.exception("internal error driving a push", req=push.req)
-            self.fail(push, internal_error(exc, "sender daemon"))
+            self._link_failed(push, internal_error(exc, "sender daemon"))
             return
-        self._finish(push, checksum)
+        if push.machine.can(PushEvent.ALL_POSTED):
+            push.event(PushEvent.ALL_POSTED)
+        if push.state is PushState.CONFIRMING:
+            self._bound_wait(push, "confirm delivery")
+
+    def _link_failed(self, push: Push, error: KvwireError) -> None:
+        push.error = push.error or error
+        link = push.link
+        if link.conn is not None:
+            # The data channel died under a live control connection: drop both,
+            # so the receiver voids every lease of this link (and ours fail).
+            link.lost(error if isinstance(error, PeerLost) else PeerLost(
+                f"the data channel to receiver {link.name} failed: {error.message}",
+                hint=error.hint, status=error.status))
+        elif push.machine.can(PushEvent.LINK_LOST):
+            push.event(PushEvent.LINK_LOST)
+
+    def _bound_wait(self, push: Push, what: str) -> None:
+        """A receiver that has every byte answers at once; one that stays
+        silent has lost track of the request, and the caller hears so."""
+        wait = self.config.delivery_timeout
+        state = push.state
+
+        def expired() -> None:
+            if push.state is not state:
+                return
+            error = PeerLost(
+                f"receiver {push.link.name} has every byte of request {push.req} but did "
+                f"not {what} within {wait:g} s",
+                hint="the receiver's log says why; the request was not delivered")
+            if state is PushState.CONFIRMING:
+                push.error = error
+                push.abort(error)
+            else:  # no verdict on our abort: the receiver is not following the protocol
+                self._link_failed(push, error)
+        push._timers.append(asyncio.get_running_loop().call_later(wait, expired))
 
     @staticmethod
     def _sent_callback(push: Push, layer: int) -> Callable[[asyncio.Future[None]], None]:
         # The engine may reuse a layer's staging once its writes are placed.
         def sent(posted: asyncio.Future[None]) -> None:
-            if (not posted.cancelled() and posted.exception() is None and push.error is None
-                    and push.on_sent is not None):
+            if (not posted.cancelled() and posted.exception() is None
+                    and not push.machine.ended and push.on_sent is not None):
                 push.on_sent(layer)
         return sent
 
-    async def _confirmation(self, push: Push) -> int:
-        """The receiver's checksum, once every write has been placed.
+    def _drain(self, push: Push) -> None:
+        """POSTS_DONE once no posted write of ``push`` is outstanding."""
+        async def drained() -> None:
+            await asyncio.gather(*push.posts, return_exceptions=True)
+            if push.machine.can(PushEvent.POSTS_DONE):
+                push.event(PushEvent.POSTS_DONE)
+        spawn(drained(), f"drain-{push.req}")
 
-        It follows the last immediate at once; a receiver that stays silent
-        after that has lost track of the request (a bug, or a stale lease),
-        and the caller hears so rather than waiting forever.
-        """
-        wait = self.config.delivery_timeout
-        try:
-            return await asyncio.wait_for(asyncio.shield(push.confirmed), wait)
-        except TimeoutError:
-            raise PeerLost(
-                f"receiver {push.link.name} has every byte of request {push.req} but did "
-                f"not confirm delivery within {wait:g} s",
-                hint="the receiver's log says why; the request was not delivered") from None
+    # ------------------------------------------------------------- actions
 
-    @staticmethod
-    def _loop_deadline(push: Push) -> float | None:
-        if push.deadline is None:
-            return None
-        loop = asyncio.get_running_loop()
-        return loop.time() + (push.deadline - time.monotonic())
+    def carry_out(self, push: Push, action: PushAction) -> None:
+        link = push.link
+        if action is PushAction.STOP_POSTING:
+            if push.task is not None and push.task is not asyncio.current_task():
+                push.task.cancel()
+            if push.state in (PushState.DRAINING, PushState.DRAINING_FOR_ACK):
+                self._drain(push)
+        elif action is PushAction.SEND_ABORT:
+            error = push.error or RequestAborted(f"request {push.req} was aborted")
+            link.send(message("abort", req=push.req, lease=push.lease, error=error.to_wire()))
+            self._bound_wait(push, "answer its abort")
+        elif action is PushAction.SEND_ABORT_ACK:
+            link.send(message("abort_ack", req=push.req, lease=push.lease))
+        elif action is PushAction.REPORT_FINISHED:
+            self._finish(push)
+        elif action is PushAction.REPORT_FAILED:
+            self._fail(push)
+        elif action is PushAction.RELEASE_STAGING:
+            self.holding.discard(push)
+            self.staging.release(push.staging)
+            self.update_pool_metrics()
 
-    def _finish(self, push: Push, checksum: int) -> None:
+    def _ended(self, push: Push) -> None:
+        for timer in push._timers:
+            timer.cancel()
+        if push.views_dropped:
+            # After this transition's actions: the machine is DELIVERED or FAILED.
+            asyncio.get_running_loop().call_soon(push.drop_views)
+        if self.pushes.get(push.req) is push:
+            del self.pushes[push.req]
+        push.link.detach(push.lease)
+        if push.task is not None and push.task is not asyncio.current_task():
+            push.task.cancel()
+        self.update_pool_metrics()
+
+    def _finish(self, push: Push) -> None:
+        self._ended(push)
         now = time.monotonic()
+        late = push.deadline is not None and now > push.deadline
         timings: Timings = {
             "open_seconds": push.granted_at - push.opened_at,
             "transfer_seconds": now - (push.first_commit_at or push.granted_at),
@@ -258,52 +355,26 @@ class PushDriver:
             "drain_seconds": now - (push.last_commit_at or now),
             "bytes": push.shape.total_bytes,
             "writes": push.writes,
+            # Delivered although an abort was asked for (deadline, engine):
+            # the receiver had every byte first.
+            "late": float(late or push.error is not None),
         }
-        self._forget(push)
         peer = push.link.name
         self.metrics.requests.labels(peer, "delivered").inc()
         self.metrics.request_seconds.labels(peer).observe(timings["total_seconds"])
         self.metrics.post_seconds.labels(peer).observe(timings["post_seconds"])
         self.metrics.wait_seconds.labels(peer).observe(timings["drain_seconds"])
+        if push.error is not None:
+            log.info("push delivered although an abort was asked for", req=push.req,
+                     peer=peer, reason=str(push.error))
         if not push.outcome.done():
-            push.outcome.set_result(Delivery(checksum, timings))
+            push.outcome.set_result(Delivery(push.checksum, timings))
 
-    def fail(self, push: Push, error: KvwireError) -> None:
-        """End a push that will not be delivered; cleanup runs in the background."""
-        if push.error is not None or self.pushes.get(push.req) is not push:
-            return
-        push.error = error
-        if push.task is not None and asyncio.current_task() is not push.task:
-            push.task.cancel()
-        spawn(self._cleanup_failed(push), f"abort-{push.req}")
-
-    async def _cleanup_failed(self, push: Push) -> None:
-        assert push.error is not None
-        # The staging slot may only be reused once no write still reads it,
-        # and the receiver may only reuse its slot once none can still land.
-        await asyncio.gather(*push.posts, return_exceptions=True)
-        link = push.link
-        if link.connected:
-            if push.aborted_by_receiver:
-                link.send(message("abort_ack", req=push.req, lease=push.lease))
-            else:
-                link.send(message("abort", req=push.req, lease=push.lease,
-                                  error=push.error.to_wire()))
-        elif link.conn is not None:
-            # The data channel died under a live control connection: drop both,
-            # so the receiver voids every lease of this link.
-            link.lost(PeerLost(f"the data channel to receiver {link.name} failed"))
-        self._forget(push)
-        self.metrics.requests.labels(link.name, "failed").inc()
-        log.warning("push failed", req=push.req, peer=link.name, error=str(push.error))
+    def _fail(self, push: Push) -> None:
+        self._ended(push)
+        error = push.error or PeerLost(f"receiver {push.link.name} aborted request {push.req}")
+        self.metrics.requests.labels(push.link.name, "failed").inc()
+        log.warning("push failed", req=push.req, peer=push.link.name, error=str(error))
         if not push.outcome.done():
-            push.outcome.set_exception(push.error)
+            push.outcome.set_exception(error)
             push.outcome.exception()  # retrieved: whoever opened it may be gone
-
-    def _forget(self, push: Push) -> None:
-        if self.pushes.get(push.req) is push:
-            del self.pushes[push.req]
-        push.link.detach(push.lease)
-        self.staging.release(push.staging)
-        self.update_pool_metrics()
-
