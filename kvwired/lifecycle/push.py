@@ -51,8 +51,13 @@ class PushEvent(Enum):
     VIEWS_DROPPED = auto()  # the engine let go of its staging views
 
 
-PushAction = Enum("PushAction", "STOP_POSTING SEND_ABORT SEND_ABORT_ACK REPORT_FINISHED "
-                  "REPORT_FAILED RELEASE_STAGING")
+class PushAction(Enum):
+    STOP_POSTING = auto()
+    SEND_ABORT = auto()
+    SEND_ABORT_ACK = auto()
+    REPORT_FINISHED = auto()
+    REPORT_FAILED = auto()
+    RELEASE_STAGING = auto()
 
 
 S, E, A = PushState, PushEvent, PushAction
@@ -104,11 +109,11 @@ PUSH_TABLE: dict[tuple[PushState, PushEvent], Transition[PushState, PushAction]]
 
 
 class PushMachine(StateMachine[PushState, PushEvent, PushAction]):
-    """One push from its grant until its staging is back in the pool."""
-
     TABLE = PUSH_TABLE  # type: ignore[assignment]
-    INITIAL = PushState.OPENING
     what = "push"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(PushState.OPENING, name)
 
     @property
     def ended(self) -> bool:

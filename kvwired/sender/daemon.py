@@ -147,7 +147,7 @@ class SenderDaemon(Daemon):
                 continue
             changes["changed" if name in peers else "removed"].append(name)
             del self.links[name]
-            link.retire("the peer was removed from the sender's configuration")
+            link.retired = True
             spawn(self._retire(link), f"retire-{name}")
         for name, address in peers.items():
             if name not in self.links:
@@ -163,7 +163,7 @@ class SenderDaemon(Daemon):
         # Whatever already holds a lease on this link finishes; nothing new can reach it.
         while link.holders:
             await asyncio.sleep(RETIRE_POLL)
-        link.finish_retiring()
+        link.say_goodbye("the peer was removed from the sender's configuration")
 
     # ------------------------------------------- the surface others build on
 
