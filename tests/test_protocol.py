@@ -93,9 +93,13 @@ def test_malformed_frames_are_rejected_with_reason(
         decode(body, CONTROL)
 
 
-def _decode_all(data: bytes, pieces: list[int] | None = None) -> list[Message]:
+SCHEMAS = {"control": CONTROL, "sender_local": SENDER_LOCAL, "receiver_local": RECEIVER_LOCAL}
+
+
+def _decode_all(data: bytes, pieces: list[int] | None = None,
+                schema: Schema = CONTROL) -> list[Message]:
     """Feed ``data`` cut at ``pieces`` offsets; every message, then the end of stream."""
-    decoder = FrameDecoder(CONTROL)
+    decoder = FrameDecoder(schema)
     cuts = sorted({0, len(data), *(p % (len(data) + 1) for p in pieces or [])})
     out: list[Message] = []
     for start, end in itertools.pairwise(cuts):
@@ -136,26 +140,40 @@ def test_messages_survive_any_cutting_of_the_stream(
     assert _decode_all(data, cuts) == messages
 
 
-@given(st.binary(max_size=512), st.lists(st.integers(min_value=0, max_value=600), max_size=8))
-def test_any_bytes_give_messages_or_a_protocol_error(data: bytes, cuts: list[int]) -> None:
+@pytest.mark.parametrize("channel", sorted(SCHEMAS))
+@given(data=st.binary(max_size=512),
+       cuts=st.lists(st.integers(min_value=0, max_value=600), max_size=8))
+def test_any_bytes_give_messages_or_a_protocol_error(
+        channel: str, data: bytes, cuts: list[int]) -> None:
     with contextlib.suppress(ProtocolError):
-        _decode_all(data, cuts)
+        _decode_all(data, cuts, SCHEMAS[channel])
 
 
 INT64 = st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1)
 
 
-@given(st.dictionaries(st.text(max_size=8), st.none() | st.booleans() | INT64
-                       | st.floats() | st.text(max_size=8) | st.binary(max_size=8)
-                       | st.lists(INT64, max_size=3), max_size=6),
-       st.sampled_from(sorted(CONTROL)))
-def test_any_map_validates_or_is_a_protocol_error(fields: dict[str, Any], kind: str) -> None:
+VALUES = (st.none() | st.booleans() | INT64 | st.floats() | st.text(max_size=8)
+          | st.binary(max_size=8) | st.lists(INT64, max_size=3)
+          | st.dictionaries(st.text(max_size=12), INT64 | st.floats() | st.text(max_size=4),
+                            max_size=3))
+
+
+@pytest.mark.parametrize("channel", sorted(SCHEMAS))
+@given(fields=st.dictionaries(st.sampled_from(["req", "lease", "layer", "shape", "deadline",
+                                               "offset", "error", "n", "peer", "chunk_bytes",
+                                               "checksum"]) | st.text(max_size=8),
+                              VALUES, max_size=8),
+       data=st.data())
+def test_any_map_validates_or_is_a_protocol_error(
+        channel: str, fields: dict[str, Any], data: st.DataObject) -> None:
+    schema = SCHEMAS[channel]
+    kind = data.draw(st.sampled_from(sorted(schema)))
     for candidate in (fields, {**fields, "t": kind, "v": 1}):
         try:
-            msg = decode(_body(candidate), CONTROL)
+            msg = decode(_body(candidate), schema)
         except ProtocolError:
             continue
-        assert msg["t"] in CONTROL
+        assert msg["t"] in schema
 
 
 async def test_message_stream_reads_through_the_decoder() -> None:
