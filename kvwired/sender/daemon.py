@@ -115,11 +115,6 @@ class SenderDaemon(Daemon):
     def in_flight(self) -> int:
         return len(self.pushes)
 
-    @property
-    def holding_staging(self) -> int:
-        """Pushes whose staging is not back in the pool yet (outcome or views pending)."""
-        return len(self.driver.holding)
-
     def status_line(self) -> str:
         connected = sum(link.connected for link in self.links.values())
         return (f"{'draining' if self.draining else 'ready'}: {connected}/{len(self.links)} "
