@@ -435,7 +435,13 @@ class ReceiverDaemon(Daemon):
                           else LeaseEvent.CHECKED)
         log.info("request delivered", req=lease.req, sender=lease.session.name,
                  bytes=lease.shape.total_bytes, seconds=round(elapsed, 6))
-        if lease.machine.state is LeaseState.HELD:  # not discarded
+        if lease.machine.state is not LeaseState.HELD:
+            return  # discarded at once
+        if lease.claimed and not lease.holders:
+            # Every engine that asked for it left while it was arriving.
+            self._reclaim(lease, "engine_gone", "its decode engines left before it was "
+                          "delivered")
+        elif not lease.claimed:
             self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
 
     @staticmethod
@@ -511,11 +517,16 @@ class ReceiverDaemon(Daemon):
     def _reclaim_unclaimed_after(self, lease: Lease, ttl: float) -> None:
         def reclaim() -> None:
             if lease.state is LeaseState.HELD and not lease.claimed:
-                log.warning("delivered request reclaimed: no decode engine claimed it",
-                            req=lease.req, sender=lease.session.name, ttl=ttl)
-                self.metrics.reclaimed.labels("unclaimed").inc()
-                self._lease_event(lease, LeaseEvent.RECLAIM)
+                self._reclaim(lease, "unclaimed", f"no decode engine subscribed to it "
+                              f"within unclaimed_ttl ({ttl:g} s)")
         asyncio.get_running_loop().call_later(ttl, reclaim)
+
+    def _reclaim(self, lease: Lease, reason: str, why: str) -> None:
+        """Free a delivered request nobody will release (logged and counted once)."""
+        log.warning("delivered request reclaimed", req=lease.req, sender=lease.session.name,
+                    reason=reason, why=why)
+        self.metrics.reclaimed.labels(reason).inc()
+        self._lease_event(lease, LeaseEvent.RECLAIM)
 
     def update_pool_metrics(self) -> None:
         self.metrics.set_pool("receive", self.pool.size, self.pool.used_bytes)
@@ -561,10 +572,8 @@ class ReceiverDaemon(Daemon):
                 continue
             lease.holders.discard(consumer)
             if lease.state is LeaseState.HELD and not lease.holders:
-                log.warning("delivered request reclaimed: its decode engine left without "
-                            "releasing it", req=req, sender=lease.session.name)
-                self.metrics.reclaimed.labels("engine_gone").inc()
-                self._lease_event(lease, LeaseEvent.RECLAIM)
+                self._reclaim(lease, "engine_gone", "its decode engine left without "
+                              "releasing it")
 
     def _subscribe(self, consumer: Consumer, req: str) -> None:
         consumer.subscribed.add(req)

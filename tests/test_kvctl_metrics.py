@@ -21,7 +21,7 @@ from kvctl import metrics
 from kvwired.client import SenderClient
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, start_local
+from .conftest import LocalDaemons, start_local, until
 
 
 def test_bucket_quantile_interpolates_like_prometheus() -> None:
@@ -52,8 +52,10 @@ async def scraped(tmp_path: Path) -> AsyncIterator[tuple[LocalDaemons, list[str]
     await daemons.receiver.stop()
 
 
-async def _keep_pushing(socket_path: str, stop: asyncio.Event) -> int:
+async def _keep_pushing(socket_path: str, stop: asyncio.Event,
+                        done: list[int] | None = None) -> int:
     pushed = 0
+    done = [] if done is None else done
     async with await SenderClient.connect(socket_path) as client:
         payload = os.urandom(1 << 20)
         while not stop.is_set():
@@ -64,6 +66,7 @@ async def _keep_pushing(socket_path: str, stop: asyncio.Event) -> int:
             push.commit(0)
             await push.finish()
             pushed += 1
+            done.append(pushed)
     return pushed
 
 
@@ -71,8 +74,9 @@ async def test_metrics_show_rates_latency_and_credits_per_peer(
         scraped: tuple[LocalDaemons, list[str]]) -> None:
     daemons, urls = scraped
     stop = asyncio.Event()
-    pushing = asyncio.create_task(_keep_pushing(daemons.sender_socket, stop))
-    await asyncio.sleep(0.2)
+    done: list[int] = []
+    pushing = asyncio.create_task(_keep_pushing(daemons.sender_socket, stop, done))
+    await until(lambda: len(done) >= 2, what="pushes flowing")
     statuses, _, rows = await asyncio.to_thread(metrics.collect, urls, 0.5)
     stop.set()
     assert await pushing > 0

@@ -66,7 +66,8 @@ def test_ready_means_serving_and_status_is_clean(lab: LabState,
         assert props["LimitMEMLOCK"] == "infinity"
         assert props["StatusText"].startswith("ready: "), props
         code, out, _ = _sh(lab, daemon.node, f"systemctl status --no-pager {daemon.unit}")
-        assert code == 0 and "Active: active (running)" in out
+        assert code == 0 and "Active: active (running)" in out, (
+            f"systemctl status exited {code}:\n{out}\n{daemon.log_tail()}")
     # READY=1 came after the socket was bound: a push works the moment start returns.
     code, out, err = _push(lab, sender, "right-after-start")
     assert code == 0, err

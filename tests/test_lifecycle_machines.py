@@ -26,6 +26,7 @@ from kvwired.lifecycle.lease import (
     LeaseState,
     Outcome,
 )
+from kvwired.lifecycle.link import LINK_TABLE, LinkAction, LinkEvent, LinkMachine, LinkState
 from kvwired.lifecycle.push import PUSH_TABLE, PushAction, PushEvent, PushMachine, PushState
 
 # ------------------------------------------------------------ each on its own
@@ -98,8 +99,46 @@ class PushAlone(RuleBasedStateMachine):
             assert not any(self.push.can(event) for event in PushEvent)
 
 
+class LinkAlone(RuleBasedStateMachine):
+    """Holders fail whenever the connection goes; a retired link stays retired."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.link = LinkMachine("decode")
+        self.retired = False
+        self.connection_open = False
+        self.bye = 0
+
+    @rule(event=st.sampled_from(LinkEvent))
+    def apply(self, event: LinkEvent) -> None:
+        if not self.link.can(event):
+            with pytest.raises(IllegalTransition):
+                self.link.apply(event)
+            return
+        actions = self.link.apply(event)
+        if LinkAction.OPEN_CONNECTION in actions:
+            self.connection_open = True
+        if LinkAction.CLOSE_CONNECTION in actions:
+            self.connection_open = False
+        self.bye += actions.count(LinkAction.SEND_BYE)
+        self.retired = self.retired or event is LinkEvent.RETIRE
+
+    @invariant()
+    def a_retired_link_is_never_used_again(self) -> None:
+        if self.retired:
+            assert not self.link.usable
+            assert not self.link.can(LinkEvent.CONNECT)
+
+    @invariant()
+    def a_link_that_is_down_holds_no_connection(self) -> None:
+        if self.link.state in (LinkState.DOWN, LinkState.RETIRED):
+            assert not self.connection_open
+        assert self.bye <= 1
+
+
 TestLeaseAlone = LeaseAlone.TestCase
 TestPushAlone = PushAlone.TestCase
+TestLinkAlone = LinkAlone.TestCase
 
 
 def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
@@ -107,6 +146,8 @@ def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
         LeaseState)
     assert {s for s, _ in PUSH_TABLE} | {t.target for t in PUSH_TABLE.values()} == set(
         PushState)
+    assert {s for s, _ in LINK_TABLE} | {t.target for t in LINK_TABLE.values()} == set(
+        LinkState)
 
 
 # -------------------------------------------------------- both ends together

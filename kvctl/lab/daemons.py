@@ -18,18 +18,26 @@ from .machine import SHARED_DIR, LabError, LabState, run_in
 
 DECODE_ADDRESS = "198.18.78.2"
 
+# The lab's nodes are emulated (QEMU TCG, one vCPU each): a daemon that sets
+# up a queue pair while another registers its pool, or while an engine's
+# Python starts, can be descheduled for seconds. The defaults (ping every
+# 1 s, 4 missed pings, 5 s to connect) are for real hosts; in the lab they
+# dropped healthy links. Real nodes keep the defaults.
+EMULATED_NODE_SLACK: dict[str, Any] = {"heartbeat": 2.5}
+EMULATED_CONNECT_TIMEOUT = 20.0
+
 
 def receiver_config(name: str = "decode", **overrides: Any) -> dict[str, Any]:
     return {"name": name, "listen": f"{DECODE_ADDRESS}:7471", "data_port": 7472,
             "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9471",
-            "log_format": "json", **overrides}
+            "log_format": "json", **EMULATED_NODE_SLACK, **overrides}
 
 
 def sender_config(name: str = "prefill", peers: dict[str, str] | None = None,
                   **overrides: Any) -> dict[str, Any]:
     return {"name": name, "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9472",
             "peers": peers or {"decode": f"{DECODE_ADDRESS}:7471"}, "log_format": "json",
-            **overrides}
+            "connect_timeout": EMULATED_CONNECT_TIMEOUT, **EMULATED_NODE_SLACK, **overrides}
 
 
 class NodeDaemon:

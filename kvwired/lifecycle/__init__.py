@@ -38,10 +38,11 @@ class StateMachine(Generic[S, E, A]):
     """A state, a table, and the one method that moves it."""
 
     TABLE: ClassVar[Mapping[tuple[Enum, Enum], Transition[Enum, Enum]]]
+    INITIAL: ClassVar[Enum]
     what: ClassVar[str] = "state machine"
 
-    def __init__(self, state: S, name: str) -> None:
-        self.state = state
+    def __init__(self, name: str) -> None:
+        self.state: S = self.INITIAL  # type: ignore[assignment]
         self.name = name
 
     def can(self, event: E) -> bool:

@@ -41,13 +41,8 @@ class LeaseEvent(Enum):
     RECLAIM = auto()  # its engine died, or nobody claimed it within the TTL
 
 
-class LeaseAction(Enum):
-    SEND_DELIVERED = auto()
-    SEND_ABORT = auto()
-    SEND_ABORT_ACK = auto()
-    NOTIFY_COMPLETE = auto()
-    NOTIFY_FAILED = auto()
-    FREE = auto()
+LeaseAction = Enum("LeaseAction", "SEND_DELIVERED SEND_ABORT SEND_ABORT_ACK NOTIFY_COMPLETE "
+                   "NOTIFY_FAILED FREE")
 
 
 class Outcome(Enum):
@@ -89,10 +84,11 @@ _DELIVERING = {E.CHECKED, E.CHECKED_DISCARD}
 
 class LeaseMachine(StateMachine[LeaseState, LeaseEvent, LeaseAction]):
     TABLE = LEASE_TABLE  # type: ignore[assignment]
+    INITIAL = LeaseState.FILLING
     what = "lease"
 
     def __init__(self, name: str) -> None:
-        super().__init__(LeaseState.FILLING, name)
+        super().__init__(name)
         self.outcome = Outcome.PENDING
 
     @property

@@ -51,13 +51,8 @@ class PushEvent(Enum):
     VIEWS_DROPPED = auto()  # the engine let go of its staging views
 
 
-class PushAction(Enum):
-    STOP_POSTING = auto()
-    SEND_ABORT = auto()
-    SEND_ABORT_ACK = auto()
-    REPORT_FINISHED = auto()
-    REPORT_FAILED = auto()
-    RELEASE_STAGING = auto()
+PushAction = Enum("PushAction", "STOP_POSTING SEND_ABORT SEND_ABORT_ACK REPORT_FINISHED "
+                  "REPORT_FAILED RELEASE_STAGING")
 
 
 S, E, A = PushState, PushEvent, PushAction
@@ -109,11 +104,11 @@ PUSH_TABLE: dict[tuple[PushState, PushEvent], Transition[PushState, PushAction]]
 
 
 class PushMachine(StateMachine[PushState, PushEvent, PushAction]):
-    TABLE = PUSH_TABLE  # type: ignore[assignment]
-    what = "push"
+    """One push from its grant until its staging is back in the pool."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__(PushState.OPENING, name)
+    TABLE = PUSH_TABLE  # type: ignore[assignment]
+    INITIAL = PushState.OPENING
+    what = "push"
 
     @property
     def ended(self) -> bool:

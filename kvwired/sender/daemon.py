@@ -142,7 +142,7 @@ class SenderDaemon(Daemon):
                 continue
             changes["changed" if name in peers else "removed"].append(name)
             del self.links[name]
-            link.retired = True
+            link.retire("the peer was removed from the sender's configuration")
             spawn(self._retire(link), f"retire-{name}")
         for name, address in peers.items():
             if name not in self.links:
@@ -158,7 +158,7 @@ class SenderDaemon(Daemon):
         # Whatever already holds a lease on this link finishes; nothing new can reach it.
         while link.holders:
             await asyncio.sleep(RETIRE_POLL)
-        link.say_goodbye("the peer was removed from the sender's configuration")
+        link.finish_retiring()
 
     # ------------------------------------------- the surface others build on
 

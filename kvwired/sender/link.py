@@ -28,6 +28,7 @@ from ..errors import (
     from_wire,
 )
 from ..layout import RequestShape
+from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
 from ..protocol import CONTROL_ANSWERS, Message, message
 from ..transport.base import DataChannel, Transport
@@ -71,7 +72,10 @@ class PeerLink:
         self._abandoned: dict[str, Undo] = {}
         self.holders: dict[int, LeaseHolder] = {}
         self.ever_connected = False
-        self.retired = False
+        self.machine = LinkMachine(name)
+        self._counted = False  # in kvwire_peers_connected
+        self._ending: KvwireError = PeerLost(f"receiver {name} went away")
+        self._bye_reason = "the link was retired"
         self.failure: KvwireError | None = None  # what broke the last data channel
         # Series that exist from the start, so rates and alerts see zeros.
         metrics.reconnects.labels(name)
@@ -82,8 +86,28 @@ class PeerLink:
 
     @property
     def connected(self) -> bool:
-        return (self.conn is not None and not self.conn.closed
+        return (self.machine.state in (LinkState.UP, LinkState.RETIRING)
+                and self.conn is not None and not self.conn.closed
                 and self.channel is not None and self.channel.alive)
+
+    @property
+    def retired(self) -> bool:
+        """No new request may use it (removed from the peers, or stopping)."""
+        return not self.machine.usable
+
+    def _apply(self, event: LinkEvent, error: KvwireError | None = None) -> None:
+        if error is not None:
+            self._ending = error
+        for action in self.machine.apply(event):
+            if action is LinkAction.START_READING:
+                self._start_reading()
+            elif action is LinkAction.CLOSE_CONNECTION:
+                self._close_connection()
+            elif action is LinkAction.FAIL_HOLDERS:
+                self._fail_holders(self._ending)
+            elif action is LinkAction.SEND_BYE:
+                self.send(message("bye", reason=self._bye_reason))
+            # OPEN_CONNECTION: ``ensure`` opens it, holding the lock.
 
     @property
     def local_host(self) -> str:
@@ -95,7 +119,7 @@ class PeerLink:
     async def keep_connected(self) -> None:
         """Hold the connection up between requests; retries back off to 30 s."""
         backoff = 1.0
-        while not self.retired:
+        while self.machine.usable:
             if self.connected:
                 backoff = 1.0
             else:
@@ -111,12 +135,22 @@ class PeerLink:
         async with self._lock:
             if self.connected:
                 return
+            if not self.machine.usable:
+                raise PeerLost(f"receiver {self.name} is no longer a peer of this sender",
+                               hint="it was removed from [peers], or the sender is stopping")
             # Whatever still hangs on the old connection fails with what broke
             # it (a completion error, say), not with "being rebuilt".
             self.lost(self.failure or PeerLost(
                 f"connection to receiver {self.name} is being rebuilt"))
             self.failure = None
-            await self._connect()
+            self._apply(LinkEvent.CONNECT)
+            try:
+                await self._connect()
+            except BaseException:
+                if self.machine.can(LinkEvent.CONNECT_FAILED):
+                    self._apply(LinkEvent.CONNECT_FAILED)
+                raise
+            self._apply(LinkEvent.CONNECTED)
 
     async def _connect(self) -> None:
         cfg = self.config
@@ -152,11 +186,15 @@ class PeerLink:
         if self.ever_connected:
             self.metrics.reconnects.labels(self.name).inc()
         self.ever_connected = True
-        conn.start_pinging()
-        conn.serve(self._dispatch, self._connection_ended, f"link-{self.name}")
-        self.metrics.peers.inc()
         log.info("connected to receiver", peer=self.name, address=self.address,
                  transport=self.transport.name, credits=self.credits)
+
+    def _start_reading(self) -> None:
+        assert self.conn is not None
+        self.conn.start_pinging()
+        self.conn.serve(self._dispatch, self._connection_ended, f"link-{self.name}")
+        self.metrics.peers.inc()
+        self._counted = True
 
     def _count_failure(self, error: Exception) -> None:
         status = error.status if isinstance(error, KvwireError) else "transport_error"
@@ -291,14 +329,22 @@ class PeerLink:
         self.holders.pop(lease, None)
 
     def lost(self, error: KvwireError) -> None:
-        """Fail everything in flight on this link and forget the connection."""
+        """The connection broke: fail everything in flight on it and forget it."""
+        if self.machine.can(LinkEvent.LOST):
+            self._apply(LinkEvent.LOST, error)
+
+    def _close_connection(self) -> None:
         conn, channel = self.conn, self.channel
         self.conn = self.channel = None
         if conn is not None:
             conn.close()
-            self.metrics.peers.dec()
         if channel is not None:
             channel.close()
+        if self._counted:
+            self.metrics.peers.dec()
+            self._counted = False
+
+    def _fail_holders(self, error: KvwireError) -> None:
         for future, _ in self._waiting.values():
             if not future.done():
                 future.set_exception(error)
@@ -313,8 +359,19 @@ class PeerLink:
         if self.conn is not None:
             self.conn.send(msg)
 
+    def retire(self, reason: str) -> None:
+        """No new requests; those holding leases finish (``finish_retiring`` ends it)."""
+        if self.machine.can(LinkEvent.RETIRE):
+            self._bye_reason = reason
+            self._apply(LinkEvent.RETIRE,
+                        PeerLost(f"connection to receiver {self.name} closed: {reason}"))
+
+    def finish_retiring(self) -> None:
+        """The last lease on a retiring link ended: say bye and drop the connection."""
+        if self.machine.can(LinkEvent.LAST_HOLDER_DONE):
+            self._apply(LinkEvent.LAST_HOLDER_DONE)
+
     def say_goodbye(self, reason: str) -> None:
-        """Tell the receiver this connection ends on purpose, then drop it."""
-        self.retired = True
-        self.send(message("bye", reason=reason))
-        self.lost(PeerLost(f"connection to receiver {self.name} closed: {reason}"))
+        """Tell the receiver this connection ends on purpose, then drop it now."""
+        self.retire(reason)
+        self.finish_retiring()
