@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between scrapes (rates are over this interval)")
     metrics.add_argument("--json", action="store_true")
 
+    from .keys import add_parser as add_keys_parser
     from .lab.cli import add_parser as add_lab_parser
     from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parsers(commands)
     add_probe_parser(commands)
     add_lab_parser(commands)
+    add_keys_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns"],
@@ -120,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             from .probe import main as probe_main
 
             return probe_main(args)
+        if args.command == "keys":
+            from .keys import main as keys_main
+
+            return keys_main(args)
         if args.command == "lab":
             from .lab.cli import main as lab_main
 

@@ -25,6 +25,8 @@ from typing import Any
 from kvwired.errors import KvwireError
 from kvwired.localsock import accepts
 
+from .keys import with_credentials
+
 # RFC 2544's benchmarking range: never routed, never someone else's host.
 SUBNET = "198.18.77"
 
@@ -173,24 +175,26 @@ class DaemonProcess:
 
 
 def receiver_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[str, Any]:
-    return {
+    """A receiver in the decode namespace, with credentials of ``workdir``'s cluster."""
+    return with_credentials({
         "name": "decode",
         "listen": f"{pair.decode.address}:7471",
         "data_port": 7472,
         "socket": str(workdir / "receiver.sock"),
         "metrics": f"{pair.decode.address}:9471",
         **overrides,
-    }
+    }, "receiver", workdir / "tls")
 
 
 def sender_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[str, Any]:
-    return {
+    """A sender in the prefill namespace, with credentials of ``workdir``'s cluster."""
+    return with_credentials({
         "name": "prefill",
         "socket": str(workdir / "sender.sock"),
         "metrics": f"{pair.prefill.address}:9472",
         "peers": {"decode": f"{pair.decode.address}:7471"},
         **overrides,
-    }
+    }, "sender", workdir / "tls")
 
 
 @contextlib.contextmanager

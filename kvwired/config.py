@@ -66,6 +66,14 @@ class CommonConfig:
     )
     drain_timeout: float = _opt(
         10.0, "on SIGTERM, seconds to let requests in flight finish before they are failed")
+    auth: str = _opt(
+        "tls", "tls: mutual TLS under the cluster CA (credentials from `kvctl keys`); none: "
+        "no authentication, anyone who reaches the ports can lease and write the pool")
+    tls_dir: str = _opt("/etc/kvwire/tls", "auth = tls: the directory holding ca.crt, "
+                        "node.crt and node.key (re-read on SIGHUP)")
+    handshake_timeout: float = _opt(
+        10.0, "seconds a connection may take to authenticate (TLS, hello) before it is "
+        "closed and counted in kvwire_auth_failures_total")
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
 
@@ -86,7 +94,33 @@ class ReceiverConfig(CommonConfig):
     unclaimed_ttl: float = _opt(
         300.0, "seconds a delivered request waits for a decode engine to subscribe before "
         "it is reclaimed (an engine that disconnects frees what it held at once)")
+    senders: list[str] = _opt(
+        None, "names of the senders this receiver accepts, as in their certificates "
+        "(comma-separated as a flag); empty: every sender of the cluster CA", "names")
+    sender_quota: str = _opt(
+        "100%", "the most of the pool one sender may hold at once: a share (50%) or a size "
+        "(128MiB); over it, that sender's requests wait and then get pool full")
     metrics: str = _opt("127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: off)")
+
+    def __post_init__(self) -> None:
+        if self.senders is None:
+            self.senders = []
+
+    def quota_bytes(self) -> int:
+        """``sender_quota`` in bytes of this pool."""
+        text = self.sender_quota.strip()
+        if text.endswith("%"):
+            try:
+                share = float(text[:-1])
+            except ValueError:
+                share = float("nan")
+            if not 0 < share <= 100:
+                raise ConfigError(f"sender_quota {text!r} is not a share in (0, 100]%")
+            return int(self.pool_size * share / 100)
+        size = parse_size(text)
+        if size <= 0:
+            raise ConfigError("sender_quota must be positive")
+        return size
 
 
 @dataclass
@@ -122,6 +156,7 @@ def add_flags(parser: argparse.ArgumentParser, cls: type[CommonConfig]) -> None:
         kind = f.metadata.get("kind", "")
         flag = "--" + f.name.replace("_", "-")
         help_text = f"{f.metadata.get('help', '')} [TOML: {f.name}; default: {_show(f)}]"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if kind == "peers":
             parser.add_argument(flag[:-1], dest=f.name, action="append", metavar="NAME=ADDR",
                                 help=help_text)
@@ -188,6 +223,11 @@ def _convert(f: dataclasses.Field[Any], value: Any) -> Any:
     try:
         if kind == "size":
             return parse_size(value)
+        if kind == "names":
+            names = value.split(",") if isinstance(value, str) else value
+            if not isinstance(names, list):
+                raise ConfigError(f"{f.name} must be a list of names")
+            return [str(name).strip() for name in names if str(name).strip()]
         if kind == "peers":
             if not isinstance(value, dict):
                 raise ConfigError("peers must be a table of NAME = \"HOST:PORT\"")
@@ -210,10 +250,15 @@ def _check(config: CommonConfig) -> None:
         raise ConfigError(f"log_format {config.log_format!r}: use auto, json or console")
     if config.drain_timeout < 0:
         raise ConfigError("drain_timeout must not be negative")
+    if not config.handshake_timeout > 0:
+        raise ConfigError("handshake_timeout must be a positive number of seconds")
     if config.heartbeat <= 0:
         raise ConfigError("heartbeat must be a positive number of seconds")
     parse_address(config.metrics, 0)
+    if config.auth not in ("tls", "none"):
+        raise ConfigError(f"auth {config.auth!r}: use tls or none")
     if isinstance(config, ReceiverConfig):
+        config.quota_bytes()
         parse_address(config.listen, 7471)
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Callable
 
 import structlog
 
-from .errors import KvwireError, PeerLost
+from .errors import AuthenticationFailed, KvwireError, PeerLost
 from .protocol import CONTROL, Message, error_message, message
 from .stream import MessageStream
 from .tasks import spawn
+from .trust import peer_name
 
 log = structlog.get_logger("kvwired.control")
 
@@ -38,14 +40,12 @@ class ControlConnection:
         self._pinger: asyncio.Task[None] | None = None
         self.closed = False
 
-    @property
-    def local_host(self) -> str:
-        return str(self.writer.get_extra_info("sockname")[0])
-
-    @property
-    def peer_address(self) -> str:
-        peer = self.writer.get_extra_info("peername")
-        return f"{peer[0]}:{peer[1]}" if peer else "?"
+        # Read once: a closed TLS transport cannot answer get_extra_info.
+        self.local_host = str(writer.get_extra_info("sockname")[0])
+        peer = writer.get_extra_info("peername")
+        self.peer_address = f"{peer[0]}:{peer[1]}" if peer else "?"
+        # The verified name in the peer's certificate ("" without TLS).
+        self.certified_name = peer_name(writer.get_extra_info("peercert"))
 
     def send(self, msg: Message) -> None:
         if not self.closed:
@@ -62,6 +62,11 @@ class ControlConnection:
                     f"{self.label} sent nothing for {limit:g} s",
                     hint="the peer or the network between the nodes is down",
                 ) from None
+            except ssl.SSLError as exc:
+                # TLS 1.3: a peer that refuses our certificate says so on the
+                # first read after the handshake, not in it.
+                raise AuthenticationFailed(
+                    f"{self.label} ended the TLS session: {exc.reason or exc}") from exc
             except (ConnectionError, OSError) as exc:
                 raise PeerLost(f"connection to {self.label} broke: {exc}") from exc
             if msg is None:

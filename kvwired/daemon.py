@@ -15,7 +15,7 @@ import os
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import structlog
 
@@ -26,6 +26,7 @@ from .metrics import Metrics
 from .protocol import Message, Schema
 from .systemd import Notifier
 from .tasks import spawn
+from .trust import Trust
 
 log = structlog.get_logger("kvwired")
 
@@ -33,6 +34,12 @@ STATUS_EVERY = 10.0  # seconds between STATUS= updates to systemd
 DRAIN_POLL = 0.05  # seconds between looks at what is still in flight while draining
 
 LiveSample = tuple[str, str, list[str], list[str], float]
+
+
+class Server(Protocol):
+    """A listener the daemon closes when it drains or stops."""
+
+    def close(self) -> None: ...
 
 
 class Daemon(ABC):
@@ -47,8 +54,20 @@ class Daemon(ABC):
         self.metrics.live.sources.append(self.live_metrics)
         self.metrics_port = 0
         self.draining = False
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[Server] = []
         self._local_server: asyncio.AbstractServer | None = None
+        self.trust: Trust | None = None
+        self._load_trust()
+
+    def _load_trust(self) -> None:
+        """The credentials, before any port opens (``auth = "none"``: none, loudly)."""
+        if self.config.auth == "none":
+            log.warning("authentication is off", role=self.role,
+                        risk="anyone who reaches this daemon's ports can lease and write "
+                             "its pool", hint="set auth = \"tls\" with `kvctl keys` "
+                                              "credentials")
+            return
+        self.trust = Trust(self.config.tls_dir, self.config.name)
 
     # ------------------------------------------------------ for subclasses
 
@@ -85,7 +104,7 @@ class Daemon(ABC):
     def serve_metrics(self) -> None:
         self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
 
-    def add_server(self, server: asyncio.AbstractServer) -> None:
+    def add_server(self, server: Server) -> None:
         self._servers.append(server)
 
     async def serve_local(self, handler: ClientHandler) -> None:
@@ -178,6 +197,9 @@ async def _report_status(daemon: Daemon, notifier: Notifier) -> None:
 
 def _reload(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None,
             notifier: Notifier) -> None:
+    if daemon.trust is not None:
+        # New handshakes use what is on disk now; sessions already up stay.
+        daemon.trust.reload()
     if reload_config is None:
         daemon.reload(daemon.config)
         return

@@ -29,9 +29,14 @@ class KvwireError(Exception):
     # Names the failure for metrics (``retry_exceeded``, ``remote_access``, ...).
     default_status: ClassVar[str] = "error"
 
-    def __init_subclass__(cls, *, code: str = "", status: str = "", **kwargs: Any) -> None:
-        """``class PoolFull(RequestRefused, code="pool_full")``: the wire code, and
-        optionally the metrics status, are part of the class statement."""
+    # What to do about it, when the raiser has nothing more specific to say.
+    default_hint: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, code: str = "", status: str = "", hint: str = "",
+                          **kwargs: Any) -> None:
+        """``class PoolFull(RequestRefused, code="pool_full", hint=...)``: the wire
+        code, and optionally the metrics status and the default hint, are part
+        of the class statement."""
         super().__init_subclass__(**kwargs)
         if not code:
             raise TypeError(f"{cls.__qualname__} must define its own wire code "
@@ -43,13 +48,15 @@ class KvwireError(Exception):
         cls.code = code
         if status:
             cls.default_status = status
+        if hint:
+            cls.default_hint = hint
         _BY_CODE[code] = cls
 
     def __init__(self, message: str, *, hint: str = "", status: str | None = None) -> None:
         self.message = message
-        self.hint = hint
+        self.hint = hint or self.default_hint
         self.status = status or self.default_status
-        super().__init__(f"{message} ({hint})" if hint else message)
+        super().__init__(f"{message} ({self.hint})" if self.hint else message)
 
     def to_wire(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message, "hint": self.hint,
@@ -85,6 +92,18 @@ class TransportError(KvwireError, code="transport", status="transport_error"):
 
 class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost"):
     """The other daemon went away while work was in flight."""
+
+
+class AuthenticationFailed(
+        KvwireError, code="auth_failed",
+        hint="both daemons need credentials from the same cluster CA: `kvctl keys issue "
+             "NAME --role ROLE` on the CA's node, then copy them to the node"):
+    """A peer's credentials did not prove who it says it is (or it had none)."""
+
+
+class AccessDenied(KvwireError, code="access_denied",
+                   hint="add the sender's name to `senders` in the receiver's config"):
+    """An authenticated peer this daemon does not accept."""
 
 
 class UnknownPeer(KvwireError, code="unknown_peer"):

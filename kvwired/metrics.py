@@ -165,6 +165,14 @@ class Metrics:
             "kvwire_protocol_errors_total", "frames rejected (malformed, wrong version, ...)",
             ["channel"], registry=r,
         )
+        # Before a peer is authenticated nothing is labelled by its (claimed)
+        # name: the series stay as few as the reasons, whoever knocks.
+        self.auth_failures = Counter(
+            "kvwire_auth_failures_total",
+            "connections refused before or at authentication, by port and reason (timeout, "
+            "not_tls, bad_certificate, wrong_name, not_allowed, bad_token, too_many)",
+            ["channel", "reason"], registry=r,
+        )
         # Delivered requests taken back without a release: their engine died
         # holding them (engine_gone), or none claimed them in time (unclaimed).
         self.reclaimed = Counter(

@@ -18,11 +18,13 @@ from typing import Protocol
 
 import structlog
 
-from . import immediate
-from .config import ReceiverConfig, parse_address
+from . import gate, immediate
+from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
 from .daemon import Daemon, LiveSample
 from .errors import (
+    AccessDenied,
+    AuthenticationFailed,
     ConfigError,
     DuplicateRequest,
     KvwireError,
@@ -33,11 +35,12 @@ from .errors import (
     RequestTooLarge,
     UsageError,
 )
+from .gate import Gate
 from .layout import RequestShape
 from .lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
-from .localsock import HELLO_TIMEOUT
 from .pool import Pool, Slot
 from .protocol import RECEIVER_LOCAL, Message, encode, message
+from .quota import SenderQuotas
 from .tasks import spawn
 from .transport import Transport, TransportOptions, make_transport
 from .transport.base import Responder
@@ -47,6 +50,10 @@ log = structlog.get_logger("kvwired.receiver")
 
 HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.FREED)
 
+
+def _address_of(writer: asyncio.StreamWriter) -> str:
+    peer = writer.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if peer else "?"
 
 
 class Consumer:
@@ -143,7 +150,9 @@ class ReceiverDaemon(Daemon):
         self._lease_ids: set[int] = set()  # the request path's and the services'
         self._next_lease = 1
         self.control_port = 0
-        self._control_server: asyncio.AbstractServer | None = None
+        self._control_server: gate.Listener | None = None
+        self._gate = Gate("control", self.metrics.auth_failures, config.handshake_timeout)
+        self.quotas = SenderQuotas(self._quota_limit(config))
         self.services = list(services)
         self._routes: dict[str, ReceiverService] = {}
         for service in self.services:
@@ -165,7 +174,8 @@ class ReceiverDaemon(Daemon):
         await self.transport.start(self.pool.memory)
         host, port = parse_address(cfg.listen, 7471)
         try:
-            control = await asyncio.start_server(self._serve_sender, host, port, reuse_address=True)
+            control = await gate.serve(host, port, self._serve_sender, self._gate,
+                                       self.trust.server if self.trust is not None else None)
         except OSError as exc:
             raise ConfigError(
                 f"cannot listen for senders on {host}:{port}: {exc.strerror}",
@@ -173,7 +183,7 @@ class ReceiverDaemon(Daemon):
             ) from exc
         self._control_server = control
         self.add_server(control)
-        self.control_port = int(control.sockets[0].getsockname()[1])
+        self.control_port = control.port
         self.serve_metrics()
         await self.serve_local(self._serve_consumer)
         self.update_pool_metrics()
@@ -221,6 +231,24 @@ class ReceiverDaemon(Daemon):
         if self._control_server is not None:
             self._control_server.close()
 
+    def reload(self, fresh: CommonConfig) -> None:
+        """SIGHUP: which senders are accepted, and their quota. Senders no longer
+        listed are cut off now; their undelivered requests are aborted."""
+        assert isinstance(fresh, ReceiverConfig)
+        self.config.senders = list(fresh.senders)
+        self.config.sender_quota = fresh.sender_quota
+        self.quotas.limit = self._quota_limit(self.config)
+        log.info("receiver config reloaded", senders=self.config.senders or "any",
+                 sender_quota=self.config.sender_quota,
+                 hint="other settings take effect on restart")
+        for session in list(self.sessions):
+            if self.config.senders and session.name not in self.config.senders:
+                refusal = AccessDenied(
+                    f"receiver {self.config.name} no longer accepts sender {session.name}")
+                log.warning("sender no longer accepted: disconnected", sender=session.name)
+                session.conn.fail(refusal)
+                self._drop_session(session, PeerLost(refusal.message))
+
     async def say_goodbye(self) -> None:
         for session in list(self.sessions):
             if session.alive:
@@ -233,8 +261,30 @@ class ReceiverDaemon(Daemon):
     async def _serve_sender(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
+        """A sender's control connection, TLS done (``gate.serve``)."""
+        address = _address_of(writer)
         conn = ControlConnection(reader, writer, self.config.heartbeat, "sender")
         session = SenderSession(conn)
+        try:
+            # Nothing is leased, and no key disclosed, until this ends.
+            async with asyncio.timeout(self._gate.timeout):
+                await self._handshake(session, address)
+        except TimeoutError:
+            self._gate.refuse(address, "timeout",
+                              f"no hello and connect within {self._gate.timeout:g} s")
+            conn.close()
+            return
+        except PeerLost as exc:
+            self._gate.refuse(address, "incomplete", exc.message)
+            conn.close()
+            return
+        except KvwireError as exc:
+            if isinstance(exc, ProtocolError):
+                self.metrics.protocol_errors.labels("control").inc()
+            if not isinstance(exc, AuthenticationFailed | AccessDenied):
+                log.warning("sender handshake failed", peer=address, error=str(exc))
+            conn.fail(exc)
+            return
 
         def ended(conn: ControlConnection, exc: KvwireError) -> None:
             if isinstance(exc, ProtocolError):
@@ -244,23 +294,18 @@ class ReceiverDaemon(Daemon):
             self._drop_session(session, exc if isinstance(exc, PeerLost) else
                                PeerLost(f"sender {session.name} dropped: {exc}"))
 
-        try:
-            await self._handshake(session)
-        except KvwireError as exc:
-            conn.fail(exc)
-            ended(conn, exc)
-            return
         self.metrics.peer_seen(session.name)
         self.sessions.add(session)
         self.metrics.peers.set(len(self.sessions))
         conn.start_pinging()
         await conn.run(lambda msg: self._dispatch(session, msg), ended)
 
-    async def _handshake(self, session: SenderSession) -> None:
+    async def _handshake(self, session: SenderSession, address: str) -> None:
         conn = session.conn
-        hello = await conn.recv(HELLO_TIMEOUT)
+        hello = await conn.recv(self._gate.timeout)
         if hello["t"] != "hello" or hello["role"] != "sender":
             raise ProtocolError(f"expected a sender's hello, got {hello['t']!r}")
+        self._authorize(conn, hello["name"], address)
         session.name = hello["name"]
         conn.label = f"sender {session.name}"
         if self.transport.name not in hello["transports"]:
@@ -271,7 +316,7 @@ class ReceiverDaemon(Daemon):
             )
         conn.send(message("welcome", name=self.config.name, transport=self.transport.name,
                           credits=self.config.credits))
-        connect = await conn.recv(HELLO_TIMEOUT)
+        connect = await conn.recv(self._gate.timeout)
         if connect["t"] != "connect":
             raise ProtocolError(f"expected connect, got {connect['t']!r}")
         session.responder = self.transport.responder(
@@ -281,7 +326,23 @@ class ReceiverDaemon(Daemon):
         )
         answer = await session.responder.accept(connect["params"])
         conn.send(message("ready", params=answer))
-        log.info("sender connected", sender=session.name, peer=conn.peer_address)
+        log.info("sender connected", sender=session.name, peer=conn.peer_address,
+                 authenticated=self.trust is not None)
+
+    def _authorize(self, conn: ControlConnection, name: str, address: str) -> None:
+        """The hello's name must be the certificate's, and one this receiver accepts."""
+        if self.trust is not None:
+            certified = conn.certified_name
+            if certified != name:
+                self._gate.refuse(address, "wrong_name",
+                                  f"certificate of {certified!r}, hello says {name!r}")
+                raise AuthenticationFailed(
+                    f"this connection's certificate is for {certified!r}, but its hello "
+                    f"says {name!r}", hint="a sender's `name` must be the name it was "
+                    "issued credentials for (kvctl keys show)")
+        if self.config.senders and name not in self.config.senders:
+            self._gate.refuse(address, "not_allowed", f"sender {name!r} is not in `senders`")
+            raise AccessDenied(f"receiver {self.config.name} does not accept sender {name!r}")
 
     def _dispatch(self, session: SenderSession, msg: Message) -> None:
         kind = msg["t"]
@@ -333,7 +394,7 @@ class ReceiverDaemon(Daemon):
                     f"request {req} is already held by this receiver",
                     hint="request ids must be unique until the decode engine releases them",
                 )
-            slot = await self.pool.reserve(shape.total_bytes, self.config.lease_wait)
+            slot = await self._reserve(session.name, shape.total_bytes)
         except (KvwireError, KeyError, TypeError, ValueError) as exc:
             error = exc if isinstance(exc, KvwireError) else ProtocolError(f"bad shape: {exc}")
             log.info("request refused", req=req, sender=session.name, reason=str(error))
@@ -342,6 +403,7 @@ class ReceiverDaemon(Daemon):
             return
         if not session.alive or req in self.by_req:
             self.pool.release(slot)
+            self.quotas.give_back(session.name, shape.total_bytes)
             if session.alive:
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
@@ -357,6 +419,23 @@ class ReceiverDaemon(Daemon):
         session.leases.add(lease.id)
         self.update_pool_metrics()
         session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset))
+
+    @staticmethod
+    def _quota_limit(config: ReceiverConfig) -> int | None:
+        """Bytes per sender; None when the quota is the whole pool (nothing to check)."""
+        quota = config.quota_bytes()
+        return quota if quota < config.pool_size else None
+
+    async def _reserve(self, sender: str, length: int) -> Slot:
+        """Room under the sender's quota, then in the pool, within one lease_wait."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.lease_wait
+        await self.quotas.take(sender, length, self.config.lease_wait)
+        try:
+            return await self.pool.reserve(length, max(0.0, deadline - loop.time()))
+        except BaseException:
+            self.quotas.give_back(sender, length)
+            raise
 
     def allocate_lease_id(self) -> int:
         """A lease id no live lease (the request path's or a service's) holds."""
@@ -495,6 +574,7 @@ class ReceiverDaemon(Daemon):
                 del self.by_req[lease.req]
             session.leases.discard(lease.id)
             self.pool.release(lease.slot)
+            self.quotas.give_back(session.name, lease.shape.total_bytes)
             self.update_pool_metrics()
 
     def _drop_session(self, session: SenderSession, error: KvwireError) -> None:

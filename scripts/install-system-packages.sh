@@ -4,10 +4,12 @@
 # rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes;
 # qemu-system-x86, linux-image-amd64 (ships rdma_rxe), busybox-static,
 # perftest: the two-node Soft-RoCE lab and its baseline; systemd: the units
-# (systemd-analyze); prometheus: the real server the metrics tests scrape with.
+# (systemd-analyze); prometheus: the real server the metrics tests scrape with;
+# python3-cryptography: kvctl keys mints the cluster CA and node certificates.
 set -euo pipefail
 
-packages=(python3 python3-venv python3-pip iproute2 rdma-core ibverbs-utils python3-pyverbs
+packages=(python3 python3-venv python3-pip python3-cryptography iproute2 rdma-core
+          ibverbs-utils python3-pyverbs
           qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus)
 missing=()
 for p in "${packages[@]}"; do

@@ -37,6 +37,8 @@ if [ -z "$DESTDIR" ]; then
     getent group kvwire >/dev/null || groupadd --system kvwire
     getent passwd kvwire >/dev/null || useradd --system --gid kvwire --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin kvwire
+    # Credentials (kvctl keys): the daemons' group may read them, no one else.
+    install -d -m 0750 -g kvwire /etc/kvwire/tls
     if [ -d /run/systemd/system ]; then
         systemctl daemon-reload
     fi

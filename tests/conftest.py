@@ -10,17 +10,30 @@ from typing import Any
 
 import pytest
 
+from kvctl.keys import local_cluster
 from kvctl.lab.machine import LabState
 from kvwired.cli import build_daemon
 from kvwired.config import ReceiverConfig, SenderConfig, build
 from kvwired.receiver import ReceiverDaemon
 from kvwired.sender import SenderDaemon
+from kvwired.trust import Trust
 
 
 @dataclass
 class LocalDaemons:
     receiver: ReceiverDaemon
     sender: SenderDaemon
+    tls_root: Path
+
+    def credentials(self, name: str, role: str = "sender") -> Trust:
+        """TLS contexts of a node ``name`` of these daemons' cluster (issued on demand)."""
+        return Trust(str(local_cluster(self.tls_root, {name: role})[name]), name)
+
+    async def control(self, name: str = "prefill"
+                      ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A control connection to the receiver, authenticated as sender ``name``."""
+        return await asyncio.open_connection("127.0.0.1", self.receiver.control_port,
+                                             ssl=self.credentials(name).client)
 
     @property
     def sender_socket(self) -> str:
@@ -34,20 +47,24 @@ class LocalDaemons:
 async def start_local(tmp: Path, receiver: dict[str, Any] | None = None,
                       sender: dict[str, Any] | None = None) -> LocalDaemons:
     """Both daemons in this event loop, on loopback, with ephemeral ports, wired
-    as ``kvwired`` wires them (experiments included)."""
+    as ``kvwired`` wires them (experiments included), authenticated by
+    credentials of a cluster CA of their own."""
+    rx_name = str((receiver or {}).get("name", "decode"))
+    tx_name = str((sender or {}).get("name", "prefill"))
+    tls = local_cluster(tmp / "tls", {rx_name: "receiver", tx_name: "sender"})
     rx = build_daemon(build(ReceiverConfig, {
         "listen": "127.0.0.1:0", "data_port": 0, "socket": str(tmp / "rx.sock"),
         "metrics": "127.0.0.1:0", "pool_size": "64MiB", "lease_wait": 0.5,
-        **(receiver or {})}))
+        "tls_dir": str(tls[rx_name]), **(receiver or {})}))
     assert isinstance(rx, ReceiverDaemon)
     await rx.start()
     tx = build_daemon(build(SenderConfig, {
         "socket": str(tmp / "tx.sock"), "metrics": "127.0.0.1:0", "staging_size": "64MiB",
-        "peers": {"decode": f"127.0.0.1:{rx.control_port}"}, "connect_timeout": 2.0,
-        **(sender or {})}))
+        "peers": {rx_name: f"127.0.0.1:{rx.control_port}"}, "connect_timeout": 2.0,
+        "tls_dir": str(tls[tx_name]), **(sender or {})}))
     assert isinstance(tx, SenderDaemon)
     await tx.start()
-    return LocalDaemons(rx, tx)
+    return LocalDaemons(rx, tx, tmp / "tls")
 
 
 @pytest.fixture

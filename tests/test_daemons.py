@@ -30,8 +30,10 @@ from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 from .conftest import LocalDaemons, start_local
 
 
-async def _control(local: LocalDaemons) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    return await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
+async def _control(local: LocalDaemons, name: str = "rogue"
+                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A sender of the cluster (authenticated) that then breaks the protocol."""
+    return await local.control(name)
 
 
 async def _read_control(reader: asyncio.StreamReader, decoder: FrameDecoder) -> Message:
@@ -64,7 +66,7 @@ async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
     ("frame", "code", "reason"),
     [
         (struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", "protocol", "not valid msgpack"),
-        (encode({"t": "hello", "v": 2, "role": "sender", "name": "x", "transports": ["tcp"]}),
+        (encode({"t": "hello", "v": 2, "role": "sender", "name": "rogue", "transports": ["tcp"]}),
          "version", "version 2"),
         (struct.pack(">I", 1 << 30), "frame_too_large", "limit"),
         (encode(message("lease", req="r", lease=1, offset=0)), "protocol", "hello"),

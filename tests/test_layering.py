@@ -23,9 +23,9 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis"),
     "model": ("kvwired.layout", "kvwired.protocol", "kvwired.config", "kvwired.pool",
               "kvwired.rdma", "kvwired.metrics", "kvwired.stream", "kvwired.lifecycle",
-              "kvwired.lifecycle.*"),
+              "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota"),
     "transport": ("kvwired.transport", "kvwired.transport.*"),
-    "connections": ("kvwired.control", "kvwired.localsock"),
+    "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate"),
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.sender", "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
     "client": ("kvwired.client",),
@@ -54,7 +54,8 @@ MAY_IMPORT: dict[str, set[str]] = {
 # kvwired it may use only what a user of the package may.
 KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.units",
                     "kvwired.layout", "kvwired.analysis", "kvwired.config", "kvwired.rdma",
-                    "kvwired.protocol", "kvwired.localsock", "kvwired.experiments.spec",
+                    "kvwired.protocol", "kvwired.localsock", "kvwired.trust",
+                    "kvwired.experiments.spec",
                     "kvwired.experiments.perftest")
 
 

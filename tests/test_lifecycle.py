@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kvctl.keys import with_credentials
 from kvctl.netns import write_toml
 from kvwired.client import SenderClient
 from kvwired.config import free_port
@@ -31,6 +32,7 @@ class Daemon:
 
     def __init__(self, tmp: Path, role: str, config: dict[str, Any],
                  watchdog_usec: int = 0) -> None:
+        config = with_credentials(config, role, tmp / "tls")
         self.role, self.config = role, config
         self.path = tmp / f"{config['name']}.toml"
         write_toml(self.path, config)

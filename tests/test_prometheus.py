@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvctl.keys import with_credentials
 from kvctl.netns import write_toml
 from kvwired.client import SenderClient
 from kvwired.config import free_port
@@ -93,15 +94,15 @@ def _api(port: int, path: str) -> Any:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("prometheus")
     ports = {name: free_port() for name in ("control", "rx_metrics", "tx_metrics", "prom")}
-    write_toml(tmp / "rx.toml", {
+    write_toml(tmp / "rx.toml", with_credentials({
         "name": "decode", "transport": "tcp", "listen": f"127.0.0.1:{ports['control']}",
         "data_port": 0, "socket": str(tmp / "rx.sock"),
         "metrics": f"127.0.0.1:{ports['rx_metrics']}", "pool_size": "32MiB",
-        "lease_wait": 0.2})
-    write_toml(tmp / "tx.toml", {
+        "lease_wait": 0.2}, "receiver", tmp / "tls"))
+    write_toml(tmp / "tx.toml", with_credentials({
         "name": "prefill", "transport": "tcp", "socket": str(tmp / "tx.sock"),
         "metrics": f"127.0.0.1:{ports['tx_metrics']}", "staging_size": "64MiB",
-        "peers": {"decode": f"127.0.0.1:{ports['control']}"}})
+        "peers": {"decode": f"127.0.0.1:{ports['control']}"}}, "sender", tmp / "tls"))
     kvwired = [sys.executable, "-m", "kvwired"]
     receiver = Process([*kvwired, "receiver", "--config", str(tmp / "rx.toml")],
                        tmp / "rx.log")

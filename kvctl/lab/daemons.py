@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..keys import with_credentials
 from ..netns import write_toml
 from .machine import SHARED_DIR, LabError, LabState, run_in
 
@@ -27,17 +28,24 @@ EMULATED_NODE_SLACK: dict[str, Any] = {"heartbeat": 2.5}
 EMULATED_CONNECT_TIMEOUT = 20.0
 
 
+# The lab's cluster CA and every lab daemon's credentials (auth on, as deployed).
+TLS_ROOT = SHARED_DIR / "tls"
+
+
 def receiver_config(name: str = "decode", **overrides: Any) -> dict[str, Any]:
-    return {"name": name, "listen": f"{DECODE_ADDRESS}:7471", "data_port": 7472,
-            "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9471",
-            "log_format": "json", **EMULATED_NODE_SLACK, **overrides}
+    return with_credentials(
+        {"name": name, "listen": f"{DECODE_ADDRESS}:7471", "data_port": 7472,
+         "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9471",
+         "log_format": "json", **EMULATED_NODE_SLACK, **overrides}, "receiver", TLS_ROOT)
 
 
 def sender_config(name: str = "prefill", peers: dict[str, str] | None = None,
                   **overrides: Any) -> dict[str, Any]:
-    return {"name": name, "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9472",
-            "peers": peers or {"decode": f"{DECODE_ADDRESS}:7471"}, "log_format": "json",
-            "connect_timeout": EMULATED_CONNECT_TIMEOUT, **EMULATED_NODE_SLACK, **overrides}
+    return with_credentials(
+        {"name": name, "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9472",
+         "peers": peers or {"decode": f"{DECODE_ADDRESS}:7471"}, "log_format": "json",
+         "connect_timeout": EMULATED_CONNECT_TIMEOUT, **EMULATED_NODE_SLACK, **overrides},
+        "sender", TLS_ROOT)
 
 
 class NodeDaemon:
@@ -144,7 +152,12 @@ class ServiceDaemon:
     def __init__(self, node: str, role: str, config: dict[str, Any],
                  state: LabState | None = None) -> None:
         self.node, self.role = node, role
+        # Credentials go where a deployment keeps them, readable by the
+        # daemons' group only (``start`` copies them there).
+        self.credentials = config.get("tls_dir")
         self.config = {**config, "socket": f"/run/kvwire/{role}.sock"}
+        if self.credentials is not None:
+            self.config["tls_dir"] = "/etc/kvwire/tls"
         self.name = str(config["name"])
         self.socket = str(self.config["socket"])
         self.unit = f"kvwired-{role}.service"
@@ -178,8 +191,15 @@ class ServiceDaemon:
         self.install()
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         write_toml(self.config_path, self.config)
+        credentials = "true"
+        if self.credentials is not None:
+            source = self.credentials
+            credentials = (
+                "install -d -m 0750 -g kvwire /etc/kvwire/tls && "
+                f"install -m 0644 {source}/ca.crt {source}/node.crt /etc/kvwire/tls/ && "
+                f"install -m 0640 -g kvwire {source}/node.key /etc/kvwire/tls/")
         code, out, err = self._sh(
-            f"install -m 0644 {self.config_path} /etc/kvwire/{self.role}.toml && "
+            f"{credentials} && install -m 0644 {self.config_path} /etc/kvwire/{self.role}.toml && "
             f"systemctl reset-failed {self.unit} 2>/dev/null; systemctl restart {self.unit}")
         if code != 0:
             raise LabError(f"systemctl restart {self.unit} failed in {self.node}: {out}{err}\n"

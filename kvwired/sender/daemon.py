@@ -69,7 +69,7 @@ class SenderDaemon(Daemon):
         self._driver: PushDriver | None = None
 
     def _new_link(self, name: str, address: str) -> PeerLink:
-        return PeerLink(name, address, self.config, self.transport, self.metrics)
+        return PeerLink(name, address, self.config, self.transport, self.metrics, self.trust)
 
     @property
     def staging(self) -> Pool:

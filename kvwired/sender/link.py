@@ -11,6 +11,7 @@ holders register themselves.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 from typing import Protocol
 
@@ -19,6 +20,7 @@ import structlog
 from ..config import SenderConfig, parse_address
 from ..control import ControlConnection
 from ..errors import (
+    AuthenticationFailed,
     DuplicateRequest,
     KvwireError,
     PeerLost,
@@ -32,6 +34,7 @@ from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
 from ..protocol import CONTROL_ANSWERS, Message, message
 from ..transport.base import DataChannel, Transport
+from ..trust import Trust
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -59,8 +62,9 @@ class PeerLink:
     """Control connection + data channel to one named receiver."""
 
     def __init__(self, name: str, address: str, config: SenderConfig, transport: Transport,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, trust: Trust | None = None) -> None:
         self.name, self.address = name, address
+        self.trust = trust
         self.config, self.transport, self.metrics = config, transport, metrics
         self.conn: ControlConnection | None = None
         self.channel: DataChannel | None = None
@@ -155,9 +159,16 @@ class PeerLink:
     async def _connect(self) -> None:
         cfg = self.config
         host, port = parse_address(self.address, 7471)
+        tls = self.trust.client if self.trust is not None else None
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), cfg.connect_timeout)
+                asyncio.open_connection(host, port, ssl=tls), cfg.connect_timeout)
+        except ssl.SSLError as exc:
+            raise AuthenticationFailed(
+                f"receiver {self.name} at {host}:{port} failed the TLS handshake: "
+                f"{exc.reason or exc}",
+                hint="its certificate must come from this cluster's CA and be a receiver's; "
+                     "a receiver with auth = \"none\" fails this way too") from exc
         except (OSError, TimeoutError) as exc:
             raise PeerLost(
                 f"cannot reach receiver {self.name} at {host}:{port}: "
@@ -169,6 +180,7 @@ class PeerLink:
             conn.send(message("hello", role="sender", name=cfg.name,
                               transports=[self.transport.name]))
             welcome = await self._expect(conn, "welcome")
+            self._check_identity(conn, str(welcome["name"]))
             initiator = self.transport.initiator(conn.local_host)
             try:
                 conn.send(message("connect", params=await initiator.offer()))
@@ -188,6 +200,19 @@ class PeerLink:
         self.ever_connected = True
         log.info("connected to receiver", peer=self.name, address=self.address,
                  transport=self.transport.name, credits=self.credits)
+
+    def _check_identity(self, conn: ControlConnection, claimed: str) -> None:
+        """The receiver at the address must be the one configured under this name:
+        a mis-wired address must not receive another receiver's KV cache."""
+        if self.trust is None:
+            return
+        certified = conn.certified_name
+        if certified != self.name or claimed != certified:
+            raise AuthenticationFailed(
+                f"the receiver at {self.address} is {certified!r} by its certificate "
+                f"(it says {claimed!r}), not {self.name!r}",
+                hint="name each peer in [peers] as its receiver's certificate does, and "
+                     "check the address")
 
     def _start_reading(self) -> None:
         assert self.conn is not None

@@ -1,0 +1,150 @@
+"""The door of a listening port: what a connection may cost before it is trusted.
+
+A connection that has not authenticated yet holds no buffer of size, is cut
+off after ``HANDSHAKE_TIMEOUT``, and is one of at most ``limit`` such
+connections per port; past that, new ones are closed at once. Every refusal
+is counted (``kvwire_auth_failures_total{channel, reason}``, whose labels
+are the port's and the reason's, never a name the peer claims) and logged
+once with the address, as what it is: a refusal, not a network failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+
+import structlog
+from prometheus_client import Counter
+
+from .tasks import spawn
+
+log = structlog.get_logger("kvwired.gate")
+
+HANDSHAKE_TIMEOUT = 10.0
+UNAUTHENTICATED_LIMIT = 64
+LISTEN_BACKLOG = 512  # a burst of senders reconnecting at once
+
+REASONS = ("timeout", "incomplete", "not_tls", "bad_certificate", "wrong_name",
+           "not_allowed", "bad_token", "too_many")
+
+
+class Gate:
+    def __init__(self, channel: str, refusals: Counter, timeout: float = HANDSHAKE_TIMEOUT,
+                 limit: int = UNAUTHENTICATED_LIMIT) -> None:
+        self.channel = channel
+        self.timeout = timeout
+        self.limit = limit
+        self.pending = 0  # connections in, not yet authenticated
+        self._refusals = refusals
+        for reason in REASONS:  # zeros from the start, so alerts see increases
+            refusals.labels(channel, reason)
+
+    def admit(self, address: str) -> bool:
+        """Room for one more unauthenticated connection? (If not: refused, counted.)"""
+        if self.pending >= self.limit:
+            self.refuse(address, "too_many",
+                        f"{self.limit} connections are already authenticating")
+            return False
+        self.pending += 1
+        return True
+
+    def settled(self) -> None:
+        """The connection admitted last authenticated, or was refused."""
+        self.pending -= 1
+
+    def refuse(self, address: str, reason: str, detail: str) -> None:
+        self._refusals.labels(self.channel, reason).inc()
+        log.warning("connection refused", channel=self.channel, address=address,
+                    reason=reason, detail=detail)
+
+
+def tls_refusal(error: ssl.SSLError) -> str:
+    """The reason label for a failed TLS handshake."""
+    reason = str(getattr(error, "reason", "") or error)
+    if "CERTIFICATE" in reason.upper():
+        return "bad_certificate"
+    return "not_tls"
+
+
+StreamHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Listener:
+    """A listening TCP port whose connections pass a ``Gate`` (and TLS) first.
+
+    Connections are accepted here and handed to ``connect_accepted_socket``
+    with the TLS context, which raises what went wrong with a handshake, so
+    every refusal is counted with its reason (a server started with
+    ``ssl=`` would swallow them, and ``StreamWriter.start_tls`` loses the
+    peer's first flight if a reader buffered it).
+    """
+
+    def __init__(self, sock: socket.socket, handler: StreamHandler, gate: Gate,
+                 context: ssl.SSLContext | None) -> None:
+        self.sock = sock
+        self._handler, self._gate, self._context = handler, gate, context
+        self._task = spawn(self._accept_forever(), f"accept-{gate.channel}")
+
+    @property
+    def port(self) -> int:
+        return int(self.sock.getsockname()[1])
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.sock.close()
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, peer = await loop.sock_accept(self.sock)
+            except OSError as exc:
+                # Out of descriptors, say: the listener stays, and says so.
+                log.warning("accept failed", channel=self._gate.channel, error=str(exc))
+                await asyncio.sleep(0.1)
+                continue
+            spawn(self._admit(conn, f"{peer[0]}:{peer[1]}"), "handshake")
+
+    async def _admit(self, conn: socket.socket, address: str) -> None:
+        gate = self._gate
+        if not gate.admit(address):
+            conn.close()
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        try:
+            transport, protocol = await loop.connect_accepted_socket(
+                lambda: asyncio.StreamReaderProtocol(reader), conn, ssl=self._context,
+                ssl_handshake_timeout=gate.timeout if self._context is not None else None)
+        except ssl.SSLError as exc:
+            gate.refuse(address, tls_refusal(exc), str(exc.reason or exc))
+        except (TimeoutError, ConnectionAbortedError) as exc:
+            gate.refuse(address, "timeout", str(exc) or "the TLS handshake timed out")
+        except OSError as exc:
+            gate.refuse(address, "incomplete", f"left during the TLS handshake: {exc}")
+        else:
+            gate.settled()
+            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            await self._handler(reader, writer)
+            return
+        gate.settled()
+        conn.close()
+
+
+async def serve(host: str, port: int, handler: StreamHandler, gate: Gate,
+                context: ssl.SSLContext | None) -> Listener:
+    """Listen on ``host:port``: each connection is admitted by ``gate`` and,
+    with ``context``, completes a TLS handshake within the gate's timeout
+    before ``handler`` sees it as streams."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return Listener(sock, handler, gate, context)

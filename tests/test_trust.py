@@ -1,0 +1,241 @@
+"""Who may talk to a receiver: mutual TLS under the cluster CA, names bound
+to certificates, the `senders` list, bounded cost before authentication,
+and credentials rotated without dropping sessions. An adversary's inputs,
+each checked against what it must not reach: a lease, a key, the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import ssl
+import zlib
+from pathlib import Path
+
+import pytest
+import structlog
+
+from kvctl.keys import issue, local_cluster
+from kvwired.cli import build_daemon
+from kvwired.client import ReceiverClient, SenderClient
+from kvwired.config import SenderConfig, build
+from kvwired.errors import AccessDenied, AuthenticationFailed, PoolFull
+from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.trust import Trust
+
+from .conftest import LocalDaemons, start_local, until
+
+
+def _refusals(local: LocalDaemons, reason: str, channel: str = "control") -> float:
+    return float(local.receiver.metrics.auth_failures.labels(channel, reason)._value.get())
+
+
+async def _push_ok(local: LocalDaemons, req: str, peer: str = "decode") -> None:
+    data = os.urandom(1 << 20)
+    async with await SenderClient.connect(local.sender_socket) as client:
+        result = await client.push_bytes(req, peer, data, chunk=65536)
+    assert result.checksum == zlib.crc32(data)
+    async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+        await consumer.release(req)
+
+
+async def _closed_without_a_word(reader: asyncio.StreamReader) -> bool:
+    """The daemon hung up; whatever it sent was not a lease or a key."""
+    try:
+        data = await asyncio.wait_for(reader.read(), 10)
+    except (ssl.SSLError, ConnectionError):
+        return True
+    return b"lease" not in data and b"ready" not in data
+
+
+async def _hello_as(local: LocalDaemons, credentials: Trust, name: str) -> Message:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", local.receiver.control_port, ssl=credentials.client)
+    writer.write(encode(message("hello", role="sender", name=name, transports=["tcp"])))
+    decoder = FrameDecoder(CONTROL)
+    while (msg := decoder.next_message()) is None:
+        data = await asyncio.wait_for(reader.read(65536), 10)
+        assert data, "closed without an answer"
+        decoder.feed(data)
+    writer.close()
+    return msg
+
+
+async def test_a_plaintext_sender_gets_nothing_and_is_counted(local: LocalDaemons) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
+    writer.write(encode(message("hello", role="sender", name="prefill", transports=["tcp"])))
+    assert await _closed_without_a_word(reader)
+    writer.close()
+    await until(lambda: _refusals(local, "not_tls") == 1, what="the refusal counted")
+    await _push_ok(local, "after-plaintext")
+
+
+async def test_a_certificate_of_another_cluster_is_refused(local: LocalDaemons,
+                                                           tmp_path: Path) -> None:
+    stranger = local_cluster(tmp_path / "other-cluster", {"prefill": "sender"})
+    credentials = Trust(str(stranger["prefill"]), "prefill")
+    credentials.client.verify_mode = ssl.CERT_NONE  # an attacker trusts anything
+    with pytest.raises((ssl.SSLError, ConnectionError, AssertionError)):
+        # TLS 1.3: the refusal of a client certificate comes after the
+        # client's side of the handshake, on the first read.
+        await _hello_as(local, credentials, "prefill")
+    await until(lambda: _refusals(local, "bad_certificate") == 1, what="the refusal counted")
+    await _push_ok(local, "after-stranger")
+
+
+async def test_a_sender_cannot_claim_another_senders_name(local: LocalDaemons) -> None:
+    answer = await _hello_as(local, local.credentials("rogue"), "prefill")
+    assert answer["t"] == "error"
+    assert answer["error"]["code"] == "auth_failed"
+    assert "'rogue'" in answer["error"]["message"]
+    assert _refusals(local, "wrong_name") == 1
+    await _push_ok(local, "after-impostor")
+
+
+async def test_a_receivers_certificate_cannot_act_as_a_sender(local: LocalDaemons) -> None:
+    with pytest.raises((ssl.SSLError, ConnectionError, AssertionError)):
+        await _hello_as(local, local.credentials("decode-2", "receiver"), "decode-2")
+    await until(lambda: _refusals(local, "bad_certificate") == 1, what="the refusal counted")
+
+
+async def test_only_listed_senders_are_accepted(tmp_path: Path) -> None:
+    local = await start_local(tmp_path, receiver={"senders": ["prefill"]})
+    try:
+        answer = await _hello_as(local, local.credentials("other-prefill"), "other-prefill")
+        assert answer["t"] == "error" and answer["error"]["code"] == "access_denied"
+        assert "senders" in answer["error"]["hint"]
+        assert _refusals(local, "not_allowed") == 1
+        await _push_ok(local, "listed")
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_sender_will_not_push_to_a_receiver_of_another_cluster(tmp_path: Path) -> None:
+    stranger = local_cluster(tmp_path / "other-cluster", {"prefill": "sender"})
+    local = await start_local(tmp_path, sender={"tls_dir": str(stranger["prefill"])})
+    try:
+        async with await SenderClient.connect(local.sender_socket) as client:
+            with pytest.raises(AuthenticationFailed, match="TLS handshake") as info:
+                await client.push_bytes("r", "decode", b"x" * 4096)
+        assert "cluster" in info.value.hint
+        assert local.receiver.pool.used_bytes == 0
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_sender_will_not_push_to_a_receiver_under_another_name(
+        local: LocalDaemons) -> None:
+    # "decode-x" is configured at decode's address: a mis-wired peer list.
+    local.sender.reload_peers({"decode": f"127.0.0.1:{local.receiver.control_port}",
+                               "decode-x": f"127.0.0.1:{local.receiver.control_port}"})
+    async with await SenderClient.connect(local.sender_socket) as client:
+        with pytest.raises(AuthenticationFailed, match=r"'decode'.*not 'decode-x'"):
+            await client.push_bytes("r", "decode-x", b"x" * 4096)
+    await _push_ok(local, "right-name")
+
+
+async def test_connections_that_never_authenticate_are_cut_off_and_counted(
+        tmp_path: Path) -> None:
+    local = await start_local(tmp_path, receiver={"handshake_timeout": 0.5})
+    try:
+        idle = [await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
+                for _ in range(20)]
+        idle[0][1].write(b"\x16")  # slowloris: one byte of a TLS record, then nothing
+        for reader, writer in idle:
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+            writer.close()
+        await until(lambda: _refusals(local, "timeout") == 20, what="20 timeouts counted")
+        await _push_ok(local, "after-idlers")
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_at_most_a_bounded_number_authenticate_at_once(local: LocalDaemons) -> None:
+    limit = local.receiver._gate.limit
+    idle = [await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
+            for _ in range(limit + 10)]
+    await until(lambda: _refusals(local, "too_many") == 10, what="the excess refused at once")
+    assert local.receiver._gate.pending == limit
+    for _, writer in idle:
+        writer.close()
+    await until(lambda: local.receiver._gate.pending == 0, what="the door emptied")
+
+
+async def test_rotation_by_reload_keeps_established_sessions(local: LocalDaemons) -> None:
+    await _push_ok(local, "before-rotation")
+    sessions = set(local.receiver.sessions)
+    tls = local.tls_root
+    issue(tls / "ca", "prefill", "sender", tls / "prefill")  # a new key and certificate
+    assert local.sender.trust is not None and local.sender.trust.reload()
+    await _push_ok(local, "after-rotation")
+    assert local.receiver.sessions == sessions  # the session was not dropped
+    # New handshakes present the new certificate, and it is accepted.
+    answer = await _hello_as(local, Trust(str(tls / "prefill"), "prefill"), "prefill")
+    assert answer["t"] == "welcome"
+
+    (tls / "prefill" / "node.key").write_text("not a key")
+    os.chmod(tls / "prefill" / "node.key", 0o600)
+    assert not local.sender.trust.reload()  # refused; the loaded credentials stay
+    await _push_ok(local, "after-a-bad-rotation")
+
+
+async def test_running_without_authentication_is_explicit_and_logged(tmp_path: Path) -> None:
+    with structlog.testing.capture_logs() as logs:
+        local = await start_local(tmp_path, receiver={"auth": "none"},
+                                  sender={"auth": "none"})
+    try:
+        assert [entry["role"] for entry in logs
+                if entry["event"] == "authentication is off"] == ["receiver", "sender"]
+        await _push_ok(local, "unauthenticated")
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_sender_over_its_quota_waits_then_gets_pool_full_alone(tmp_path: Path) -> None:
+    local = await start_local(tmp_path, receiver={"sender_quota": "25%", "lease_wait": 0.3})
+    try:
+        # A greedy sender holds its whole quota (16 MiB of 64), as delivered
+        # requests nobody releases.
+        async with await SenderClient.connect(local.sender_socket) as client:
+            for n in range(2):
+                await client.push_bytes(f"greedy-{n}", "decode", b"g" * (8 << 20))
+            with pytest.raises(PoolFull, match="quota") as info:
+                await client.push_bytes("greedy-over", "decode", b"g" * (1 << 20))
+        assert "sender_quota" in info.value.hint
+        # Another sender of the cluster is not held up by it.
+        tls = local_cluster(local.tls_root, {"prefill-b": "sender"})
+        second = build_daemon(build(SenderConfig, {
+            "name": "prefill-b", "socket": str(tmp_path / "b.sock"), "metrics": "127.0.0.1:0",
+            "staging_size": "16MiB", "tls_dir": str(tls["prefill-b"]),
+            "peers": {"decode": f"127.0.0.1:{local.receiver.control_port}"}}))
+        await second.start()
+        try:
+            async with await SenderClient.connect(str(tmp_path / "b.sock")) as client:
+                await client.push_bytes("polite", "decode", b"p" * (8 << 20))
+        finally:
+            await second.stop()
+        assert local.receiver.quotas.held == {"prefill": 16 << 20, "prefill-b": 8 << 20}
+        async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+            await consumer.release("polite")
+        async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+            for n in range(2):
+                await consumer.release(f"greedy-{n}")
+        assert local.receiver.quotas.held == {}
+        await _push_ok(local, "after-release")
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_sender_dropped_from_senders_is_cut_off_on_reload(local: LocalDaemons) -> None:
+    await _push_ok(local, "while-listed")
+    local.receiver.reload(dataclasses.replace(local.receiver.config, senders=["prefill-b"]))
+    await until(lambda: not local.receiver.sessions, what="the session dropped")
+    async with await SenderClient.connect(local.sender_socket) as client:
+        with pytest.raises(AccessDenied, match="does not accept sender 'prefill'"):
+            await client.push_bytes("unlisted", "decode", b"x" * 4096)
+    assert local.receiver.pool.used_bytes == 0
