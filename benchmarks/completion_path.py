@@ -39,7 +39,7 @@ async def main(iterations: int, idle_seconds: float, spin_us: float) -> dict[str
     assert address is not None
     source, target = SharedMemory(4 << 20, "bench-src"), SharedMemory(4 << 20, "bench-dst")
     initiator_side = VerbsTransport(spin_us=spin_us)
-    responder_side = VerbsTransport(remote_write=True, receive_depth=64, spin_us=spin_us)
+    responder_side = VerbsTransport(receive_depth=64, spin_us=spin_us)
     await initiator_side.start(source)
     await responder_side.start(target)
     immediates: list[int] = []

@@ -26,6 +26,7 @@ from kvwired.errors import KvwireError
 from kvwired.localsock import accepts
 
 from .keys import with_credentials
+from .status import DaemonStatus
 
 # RFC 2544's benchmarking range: never routed, never someone else's host.
 SUBNET = "198.18.77"
@@ -195,6 +196,25 @@ def sender_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[str,
         "peers": {"decode": f"{pair.decode.address}:7471"},
         **overrides,
     }, "sender", workdir / "tls")
+
+
+_SCRAPE = """
+import json, sys
+from kvctl.status import scrape
+status = scrape(sys.argv[1])
+print(json.dumps([[name, list(map(list, labels)), value]
+                  for (name, labels), value in status.samples.items()]))
+"""
+
+
+def scrape_in(pair: NetnsPair, host: Host, port: int) -> DaemonStatus:
+    """A daemon's metrics, scraped from inside its namespace (the host has no route)."""
+    out = subprocess.run(pair.argv(host, [sys.executable, "-c", _SCRAPE,
+                                          f"{host.address}:{port}"]),
+                         capture_output=True, text=True, check=True).stdout
+    samples = {(name, tuple(tuple(label) for label in labels)): value
+               for name, labels, value in json.loads(out)}
+    return DaemonStatus(f"{host.address}:{port}", True, samples=samples)
 
 
 @contextlib.contextmanager

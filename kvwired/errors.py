@@ -90,6 +90,13 @@ class TransportError(KvwireError, code="transport", status="transport_error"):
     """The data path failed: a write did not complete, a connection broke."""
 
 
+class RemoteAccessError(
+        TransportError, code="remote_access", status="remote_access",
+        hint="a sender may write only into its own live leases, under each lease's key; "
+             "the connection is torn down and rebuilt"):
+    """A write outside every range the responder granted (or under a revoked key)."""
+
+
 class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost"):
     """The other daemon went away while work was in flight."""
 

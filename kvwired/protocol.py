@@ -112,6 +112,7 @@ LAYER = _f(int, check=_int_range(0, immediate.MAX_LAYERS - 1),
            expected=f"a layer in 0..{immediate.MAX_LAYERS - 1}")
 CREDITS = _f(int, check=_int_range(1, 1 << 16), expected="1 to 65536 credits")
 CHECKSUM = _f(int, check=_int_range(0, U64), expected="an unsigned 64-bit checksum")
+KEY = _f(int, check=_int_range(0, (1 << 32) - 1), expected="a 32-bit remote key")
 SHAPE = _f(dict, check=_shape, expected="{layers: 1..1024, layer_bytes: 1..2^40}")
 DICT = _f(dict)
 ERROR = _f(dict, check=_error, expected="{code, message[, hint, status]} strings")
@@ -129,7 +130,8 @@ CONTROL: Schema = {
     "ready": {"params": DICT},
     # discard=1: an experiment's request, freed as soon as it is delivered.
     "open": {"req": REQ, "shape": SHAPE, "discard": FLAG},
-    "lease": {"req": REQ, "lease": LEASE, "offset": INT},
+    # key: the remote key for this lease's bytes alone, live while it fills.
+    "lease": {"req": REQ, "lease": LEASE, "offset": INT, "key": KEY},
     "refused": {"req": REQ, "error": ERROR},
     "abort": {"req": REQ, "lease": LEASE, "error": ERROR},
     "abort_ack": {"req": REQ, "lease": LEASE},
@@ -140,7 +142,7 @@ CONTROL: Schema = {
     # answered by a write of the same size (sizes[layer bits]) with the same
     # immediate.
     "echo_open": {"req": REQ, "bytes": INT, "sizes": _f(list)},
-    "echo_offer": {"req": REQ, "lease": LEASE, "offset": INT, "params": DICT},
+    "echo_offer": {"req": REQ, "lease": LEASE, "offset": INT, "key": KEY, "params": DICT},
     "echo_answer": {"req": REQ, "lease": LEASE, "reply_offset": INT, "params": DICT},
     "echo_ready": {"req": REQ, "lease": LEASE},
     "echo_close": {"req": REQ, "lease": LEASE},

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,6 +86,9 @@ class Lease:
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
+    key: int = 0  # the sender's remote key for this slot alone
+    key_state: str = "live"  # live, revoking (all landed, or freed), revoked
+    after_revoke: list[Callable[[], None]] = field(default_factory=list)
     # Decode engines subscribed to it now, and whether any ever did.
     holders: set[Consumer] = field(default_factory=set)
     claimed: bool = False
@@ -142,7 +145,8 @@ class ReceiverDaemon(Daemon):
             name=config.transport, rdma_device=config.rdma_device,
             gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
             receive_depth=config.credits, listen_host=parse_address(config.listen, 7471)[0],
-            data_port=config.data_port, listen_at_start=True))
+            data_port=config.data_port, listen_at_start=True, per_lease_keys=True,
+            door=Gate("data", self.metrics.auth_failures, config.handshake_timeout)))
         self.leases: dict[int, Lease] = {}
         self.by_req: dict[str, Lease] = {}
         self.subscribers: dict[str, set[Consumer]] = {}
@@ -401,16 +405,25 @@ class ReceiverDaemon(Daemon):
             self.metrics.requests.labels(session.name, "refused").inc()
             session.conn.send(message("refused", req=req, error=error.to_wire()))
             return
+        responder = session.responder
+        assert responder is not None, "a session has its responder from the handshake"
+        try:
+            key = await responder.grant(slot.offset, shape.total_bytes)
+        except KvwireError as exc:
+            self._give_back(session.name, slot, shape.total_bytes)
+            if session.alive:
+                session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
         if not session.alive or req in self.by_req:
-            self.pool.release(slot)
-            self.quotas.give_back(session.name, shape.total_bytes)
+            responder.revoke(key, lambda: self._give_back(session.name, slot,
+                                                          shape.total_bytes))
             if session.alive:
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
             return
         lease = Lease(self.allocate_lease_id(), req, shape, slot, session, LeaseMachine(req),
                       opened_at=asyncio.get_running_loop().time(),
-                      discard=bool(msg.get("discard")))
+                      discard=bool(msg.get("discard")), key=key)
         # Engines that subscribed before it was opened hold it already.
         lease.holders = set(self.subscribers.get(req, ()))
         lease.claimed = bool(lease.holders)
@@ -418,7 +431,8 @@ class ReceiverDaemon(Daemon):
         self.by_req[req] = lease
         session.leases.add(lease.id)
         self.update_pool_metrics()
-        session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset))
+        session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset,
+                                  key=key))
 
     @staticmethod
     def _quota_limit(config: ReceiverConfig) -> int | None:
@@ -567,15 +581,47 @@ class ReceiverDaemon(Daemon):
             self._notify(lease.req, self._complete_message(lease))
         elif action is LeaseAction.NOTIFY_FAILED:
             self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
+        elif action is LeaseAction.REVOKE_KEY:
+            self._revoke_key(lease)
         elif action is LeaseAction.FREE:
             del self.leases[lease.id]
             self.free_lease_id(lease.id)
             if self.by_req.get(lease.req) is lease:
                 del self.by_req[lease.req]
             session.leases.discard(lease.id)
-            self.pool.release(lease.slot)
-            self.quotas.give_back(session.name, lease.shape.total_bytes)
-            self.update_pool_metrics()
+            # The slot goes back once no write under its key can land in it.
+            self._revoke_key(lease, lambda: self._give_back(
+                session.name, lease.slot, lease.shape.total_bytes))
+
+    def _revoke_key(self, lease: Lease, then: Callable[[], None] | None = None) -> None:
+        """End the lease's key (once); ``then`` runs when no write under it can land."""
+        if then is not None:
+            lease.after_revoke.append(then)
+        if lease.key_state == "revoked":
+            self._run_after_revoke(lease)
+        elif lease.key_state == "live":
+            lease.key_state = "revoking"
+
+            def revoked() -> None:
+                lease.key_state = "revoked"
+                self._run_after_revoke(lease)
+            responder = lease.session.responder
+            if responder is None:
+                revoked()
+            else:
+                responder.revoke(lease.key, revoked)
+        # "revoking": ``then`` runs with the others when the revocation ends.
+
+    @staticmethod
+    def _run_after_revoke(lease: Lease) -> None:
+        callbacks, lease.after_revoke = lease.after_revoke, []
+        for callback in callbacks:
+            callback()
+
+    def _give_back(self, sender: str, slot: Slot, length: int) -> None:
+        self.pool.release(slot)
+        self.quotas.give_back(sender, length)
+        self.update_pool_metrics()
 
     def _drop_session(self, session: SenderSession, error: KvwireError) -> None:
         if not session.alive:

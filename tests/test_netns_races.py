@@ -30,6 +30,7 @@ from kvctl.netns import (
     NetnsPair,
     check_can_run,
     receiver_config,
+    scrape_in,
     sender_config,
 )
 from kvctl.status import DaemonStatus
@@ -143,30 +144,11 @@ def _log_events(daemon: DaemonProcess, event: str) -> set[str]:
     return found
 
 
-SCRAPE = """
-import json, sys
-from kvctl.status import scrape
-status = scrape(sys.argv[1])
-print(json.dumps([[name, list(map(list, labels)), value]
-                  for (name, labels), value in status.samples.items()]))
-"""
-
-
-def _status(pair: NetnsPair, host: Host, port: int) -> DaemonStatus:
-    """A daemon's metrics, scraped from inside its namespace (the host has no route)."""
-    out = subprocess.run(pair.argv(host, [sys.executable, "-c", SCRAPE,
-                                          f"{host.address}:{port}"]),
-                         capture_output=True, text=True, check=True).stdout
-    samples = {(name, tuple(tuple(pair_) for pair_ in labels)): value
-               for name, labels, value in json.loads(out)}
-    return DaemonStatus(f"{host.address}:{port}", True, samples=samples)
-
-
 async def _until_status(pair: NetnsPair, host: Host, port: int,
                         condition: Callable[[DaemonStatus], bool], what: str,
                         timeout: float = 30.0) -> DaemonStatus:
     deadline = time.monotonic() + timeout
-    while not condition(status := _status(pair, host, port)):
+    while not condition(status := scrape_in(pair, host, port)):
         assert time.monotonic() < deadline, f"{what} not reached within {timeout:g} s"
         await asyncio.sleep(0.2)
     return status
@@ -176,7 +158,7 @@ async def _let_release(pair: NetnsPair, decode: subprocess.Popen[str]) -> None:
     """Give a live decode engine a few seconds to release what it was delivered."""
     deadline = time.monotonic() + 5
     while decode.poll() is None and time.monotonic() < deadline:
-        if _status(pair, pair.decode, 9471).total("kvwire_leases", state="held") == 0:
+        if scrape_in(pair, pair.decode, 9471).total("kvwire_leases", state="held") == 0:
             return
         await asyncio.sleep(0.2)
 
@@ -244,8 +226,8 @@ async def test_500_racing_pushes_and_killed_engines_leave_agreement_and_empty_po
         # Both pools drain: released, reclaimed (dead decode engines, or none
         # left to claim: unclaimed_ttl), or aborted (dead prefill engines).
         deadline = time.monotonic() + 30
-        while not _settled(rx_status := _status(pair, pair.decode, 9471),
-                           tx_status := _status(pair, pair.prefill, 9472)):
+        while not _settled(rx_status := scrape_in(pair, pair.decode, 9471),
+                           tx_status := scrape_in(pair, pair.prefill, 9472)):
             assert time.monotonic() < deadline, "pools did not drain"
             await asyncio.sleep(0.2)
     finally:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvwired.client import Delivered, ReceiverClient, SenderClient
-from kvwired.errors import DeadlineExceeded
+from kvwired.errors import DeadlineExceeded, RequestAborted
 from kvwired.layout import RequestShape
 
 from .conftest import LocalDaemons, start_local, until
@@ -172,3 +172,58 @@ async def test_an_engine_that_disconnects_mid_push_leaves_nothing_behind(
     push.commit(0)
     await engine.close()
     await _pools_empty(local)
+
+
+def _resolves(future: asyncio.Future[None]) -> Any:
+    def done(_: asyncio.Future[None]) -> None:
+        future.set_result(None)
+    return done
+
+
+async def test_an_abort_waits_for_the_writes_still_on_the_wire(local: LocalDaemons) -> None:
+    """The sender tells the receiver "abort" only once none of the push's writes
+    can still land: the receiver then frees the slot (and revokes its key),
+    and a write arriving after that would land in whatever reuses it."""
+    async with await SenderClient.connect(local.sender_socket) as client:
+        warm = await client.push_bytes("warm", "decode", b"w" * 4096)
+        assert warm.checksum
+        link = local.sender.links["decode"]
+        channel = link.channel
+        assert channel is not None
+        real_post = channel.post
+        held: list[tuple[Any, asyncio.Future[None]]] = []
+
+        def hold(writes: Any, imm: int | None = None, key: int | None = None
+                 ) -> asyncio.Future[None]:
+            # Posted, not yet placed: the write is "on the wire" until released.
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            held.append(((writes, imm, key), future))
+            return future
+        channel.post = hold  # type: ignore[method-assign]
+        shape = RequestShape(2, 4096)
+        push = await client.open("slow", "decode", shape, chunk=4096)
+        for n in range(shape.layers):
+            push.layer(n)[:] = b"s" * 4096
+            push.commit(n)
+        await until(lambda: len(held) == shape.layers, what="both layers posted")
+        push.abort()
+        lease = local.receiver.by_req["slow"]
+        for _ in range(50):  # the abort must wait for the held writes
+            await asyncio.sleep(0.01)
+            assert lease.state.name == "FILLING"
+        channel.post = real_post  # type: ignore[method-assign]
+        for (writes, imm, key), future in held:
+            real_post(writes, imm, key).add_done_callback(_resolves(future))
+        try:  # aborted, or delivered after all (late): one outcome at both ends
+            result = await push.finish()
+        except RequestAborted:
+            assert "slow" not in local.receiver.by_req
+        else:
+            assert result.timings["late"] == 1
+            async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+                await consumer.release("slow")
+    async with await ReceiverClient.connect(local.receiver_socket) as consumer:
+        await consumer.release("warm")
+    await until(lambda: local.receiver.pool.used_bytes == 0, what="the pool empty")
+    assert local.receiver.metrics.completion_errors.labels("prefill", "remote_access"
+                                                           )._value.get() == 0

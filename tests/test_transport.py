@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 
-from kvwired.errors import TransportError
+from kvwired.errors import RemoteAccessError, TransportError
 from kvwired.pool import SharedMemory
 from kvwired.rdma import ROCE_V2, gid_table, rdma_available
 from kvwired.transport import TransportOptions, make_transport
-from kvwired.transport.base import DataChannel, Transport, Write
+from kvwired.transport.base import DataChannel, Responder, Transport, Write
 
 SIZE = 8 << 20
 
@@ -58,20 +58,30 @@ class Pair:
     errors: list[Exception] = field(default_factory=list)
     transports: list[Transport] = field(default_factory=list)
 
-    async def connect(self, tamper: Callable[[dict[str, Any]], None] | None = None
-                      ) -> DataChannel:
+    responder: Responder | None = None
+
+    async def connect(self, tamper: Callable[[dict[str, Any]], None] | None = None,
+                      per_lease_keys: bool = False) -> DataChannel:
         src = make_transport(TransportOptions(name=self.name))
         dst = make_transport(TransportOptions(name=self.name, listen_host=self.host,
-                                              listen_at_start=True, receive_depth=256))
+                                              listen_at_start=True, receive_depth=256,
+                                              per_lease_keys=per_lease_keys))
         self.transports += [src, dst]
         await src.start(self.src_memory)
         await dst.start(self.dst_memory)
         responder = dst.responder(self.host, self.immediates.append, self.errors.append)
+        self.responder = responder
         initiator = src.initiator(self.host)
         answer = await responder.accept(await initiator.offer())
         if tamper is not None:
             tamper(answer)
         return await initiator.complete(answer)
+
+    async def revoke(self, key: int) -> None:
+        assert self.responder is not None
+        revoked = asyncio.Event()
+        self.responder.revoke(key, revoked.set)
+        await asyncio.wait_for(revoked.wait(), 10)
 
     async def close(self) -> None:
         for transport in self.transports:
@@ -173,3 +183,61 @@ async def test_a_closed_channel_fails_new_posts_at_once(pair: Pair) -> None:
     with pytest.raises(TransportError, match="closed"):
         await asyncio.wait_for(channel.post([Write(0, 0, 1)]), 1)
     assert pair.errors == []  # a close on purpose is not a failure
+
+
+# Per-lease keys (the receiver's pool): memory windows over verbs, granted
+# ranges over TCP. A key grants its range, nothing else, until revoked.
+
+async def test_a_lease_key_grants_its_range_until_revoked(pair: Pair) -> None:
+    channel = await pair.connect(per_lease_keys=True)
+    assert pair.responder is not None
+    key = await pair.responder.grant(8192, 16384)
+    payload = os.urandom(16384)
+    pair.src_memory.view[:16384] = payload
+    await asyncio.wait_for(channel.post([Write(0, 8192, 16384)], imm=3, key=key), 10)
+    assert bytes(pair.dst_memory.view[8192:24576]) == payload
+    await pair.revoke(key)
+    pair.src_memory.view[:64] = b"L" * 64
+    with pytest.raises(RemoteAccessError):
+        await asyncio.wait_for(channel.post([Write(0, 8192, 64)], key=key), 30)
+    assert bytes(pair.dst_memory.view[8192:24576]) == payload  # the late write landed nowhere
+    assert not channel.alive
+
+
+async def test_a_lease_key_refuses_a_write_past_its_range(pair: Pair) -> None:
+    channel = await pair.connect(per_lease_keys=True)
+    assert pair.responder is not None
+    key = await pair.responder.grant(8192, 4096)
+    pair.src_memory.view[:8192] = b"P" * 8192
+    with pytest.raises(RemoteAccessError):
+        await asyncio.wait_for(channel.post([Write(0, 8192, 8192)], key=key), 30)
+    assert bytes(pair.dst_memory.view[12288:16384]) == b"\0" * 4096
+
+
+async def test_with_lease_keys_the_region_key_writes_nothing(pair: Pair) -> None:
+    channel = await pair.connect(per_lease_keys=True)
+    assert pair.responder is not None
+    await pair.responder.grant(0, 4096)  # a live lease does not open the region
+    pair.src_memory.view[:64] = b"R" * 64
+    with pytest.raises(RemoteAccessError):
+        await asyncio.wait_for(channel.post([Write(0, 0, 64)]), 30)
+    assert bytes(pair.dst_memory.view[:64]) == b"\0" * 64
+
+
+async def test_lease_keys_are_fresh_across_grants_of_one_range(pair: Pair) -> None:
+    channel = await pair.connect(per_lease_keys=True)
+    assert pair.responder is not None
+    keys = []
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for _ in range(100):
+        key = await pair.responder.grant(0, 2 << 20)
+        keys.append(key)
+        await pair.revoke(key)
+    per_lease = (loop.time() - started) / 100
+    print(f"{pair.name}: grant + revoke {per_lease * 1e6:.0f} us per lease")
+    assert len(set(keys)) == 100  # a revoked key never comes back soon
+    current = await pair.responder.grant(0, 2 << 20)
+    pair.src_memory.view[:64] = b"F" * 64
+    await asyncio.wait_for(channel.post([Write(0, 0, 64)], key=current), 10)
+    assert bytes(pair.dst_memory.view[:64]) == b"F" * 64

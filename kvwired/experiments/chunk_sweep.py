@@ -112,7 +112,7 @@ class ChunkSweep:
         offer = await link.request(
             message("echo_open", req=self.req, bytes=echo.slot.length, sizes=echo.sizes),
             undo=_close_unwanted_echo)
-        echo.lease, echo.remote_offset = offer["lease"], offer["offset"]
+        echo.lease, echo.remote_offset, echo.key = offer["lease"], offer["offset"], offer["key"]
         link.attach(echo.lease, echo)
         echo.responder = self.daemon.transport.responder(
             link.local_host, echo.on_immediate, echo.fail)

@@ -64,12 +64,13 @@ class EchoLease:
     channel: DataChannel | None = None
     reply_offset: int = 0
     answered: int = 0
+    key: int = 0  # the sender's key for the echo slot's bytes
 
     async def offer(self, transport: Transport) -> Message:
         self.initiator = transport.initiator(self.conn.local_host)
         params = await self.initiator.offer()
         return message("echo_offer", req=self.req, lease=self.id, offset=self.slot.offset,
-                       params=params)
+                       key=self.key, params=params)
 
     async def complete(self, msg: Message) -> Message:
         if self.initiator is None or self.channel is not None:
@@ -160,6 +161,8 @@ class EchoService:
         self._owners[echo.id] = session
         host.update_pool_metrics()
         try:
+            assert session.responder is not None, "a session has its responder"
+            echo.key = await session.responder.grant(slot.offset, slot.length)
             offer = await echo.offer(host.transport)
         except KvwireError as exc:
             self._close(echo)
@@ -194,9 +197,15 @@ class EchoService:
         session = self._owners.pop(echo.id)
         echo.close()
         host = self.host
-        host.pool.release(echo.slot)
         host.free_lease_id(echo.id)
-        host.update_pool_metrics()
+
+        def give_back() -> None:
+            host.pool.release(echo.slot)
+            host.update_pool_metrics()
+        if echo.key and session.responder is not None:
+            session.responder.revoke(echo.key, give_back)  # no ping can land after
+        else:
+            give_back()
         log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
 
 
@@ -213,6 +222,7 @@ class EchoInitiator:
     sizes: list[int]
     lease: int = 0
     remote_offset: int = 0
+    key: int = 0  # the receiver's key for its echo slot
     responder: Responder | None = None
     error: KvwireError | None = None
     _pending: asyncio.Future[int] | None = None
@@ -249,7 +259,7 @@ class EchoInitiator:
         size = self.sizes[index]
         started = time.perf_counter()
         posted = channel.post([Write(self.slot.offset, self.remote_offset, size)],
-                              immediate.pack(self.lease, index))
+                              immediate.pack(self.lease, index), self.key)
         try:
             async with asyncio.timeout(timeout):
                 answered = await self._pending
@@ -282,7 +292,7 @@ class EchoInitiator:
             writes = [Write(local + ((sent + i) % slots) * size,
                             self.remote_offset + ((sent + i) % slots) * size, size)
                       for i in range(n)]
-            in_flight.append(channel.post(writes))
+            in_flight.append(channel.post(writes, key=self.key))
             sent += n
             if len(in_flight) >= window:
                 await in_flight.pop(0)

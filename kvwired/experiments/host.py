@@ -17,7 +17,7 @@ from ..errors import KvwireError
 from ..layout import RequestShape
 from ..pool import Pool, Slot
 from ..protocol import Message
-from ..transport.base import DataChannel, Transport
+from ..transport.base import DataChannel, Responder, Transport
 
 Report = Callable[[Message], None]
 
@@ -91,6 +91,8 @@ class SessionHandle(Protocol):
 
     name: str
     alive: bool
+    # Grants the keys for the session's echo slots (None before the handshake).
+    responder: Responder | None
 
     @property
     def conn(self) -> Connection: ...

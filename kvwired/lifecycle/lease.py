@@ -41,8 +41,11 @@ class LeaseEvent(Enum):
     RECLAIM = auto()  # its engine died, or nobody claimed it within the TTL
 
 
+# REVOKE_KEY: the sender's key for the slot ends (every byte has landed, so
+# no legitimate write is left). FREE returns the slot, after revoking the
+# key if that has not happened yet.
 LeaseAction = Enum("LeaseAction", "SEND_DELIVERED SEND_ABORT SEND_ABORT_ACK NOTIFY_COMPLETE "
-                   "NOTIFY_FAILED FREE")
+                   "NOTIFY_FAILED REVOKE_KEY FREE")
 
 
 class Outcome(Enum):
@@ -58,7 +61,7 @@ _RELEASE_EARLY = Transition(S.ABORTING, (A.SEND_ABORT, A.NOTIFY_FAILED))
 _LOST_EARLY = Transition(S.FREED, (A.NOTIFY_FAILED, A.FREE))
 
 LEASE_TABLE: dict[tuple[LeaseState, LeaseEvent], Transition[LeaseState, LeaseAction]] = {
-    (S.FILLING, E.ALL_LANDED): Transition(S.LANDED),
+    (S.FILLING, E.ALL_LANDED): Transition(S.LANDED, (A.REVOKE_KEY,)),
     (S.LANDED, E.CHECKED): Transition(S.HELD, (A.SEND_DELIVERED, A.NOTIFY_COMPLETE)),
     (S.LANDED, E.CHECKED_DISCARD): Transition(S.FREED, (A.SEND_DELIVERED, A.FREE)),
     (S.FILLING, E.SENDER_ABORT): _ABORT_NOW,

@@ -56,6 +56,7 @@ class Push:
     staging: Slot
     lease: int
     remote_offset: int
+    key: int  # the receiver's key for this lease's bytes alone
     opened_at: float
     granted_at: float
     driver: PushDriver
@@ -196,7 +197,7 @@ class PushDriver:
             self.update_pool_metrics()
             raise
         return Push(req, link, shape, chunk_bytes, staging, lease["lease"], lease["offset"],
-                    opened_at, time.monotonic(), self)
+                    lease["key"], opened_at, time.monotonic(), self)
 
     # ----------------------------------------------------------- data path
 
@@ -222,7 +223,8 @@ class PushDriver:
                 base_local, base_remote = push.staging.offset, push.remote_offset
                 writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
                           for c in batch.chunks]
-                posted = channel.post(writes, immediate.pack(push.lease, batch.completes_layer))
+                posted = channel.post(writes, immediate.pack(push.lease, batch.completes_layer),
+                                      push.key)
                 posted.add_done_callback(self._sent_callback(push, batch.completes_layer))
                 push.posts.append(posted)
                 push.post_seconds += time.perf_counter() - started
@@ -238,7 +240,15 @@ class PushDriver:
                 # committed one is cut into writes.
                 await asyncio.sleep(0)
             push.last_commit_at = time.monotonic()
-            await asyncio.gather(*push.posts)
+            # asyncio.wait, not gather: an abort cancels this task, and a
+            # cancelled gather cancels the posts it waits for, which would
+            # let the drain report them done while their writes are still on
+            # the wire (found by per-lease keys: a write after the abort).
+            if push.posts:
+                await asyncio.wait(push.posts)
+            for posted in push.posts:
+                if (error := posted.exception()) is not None:
+                    raise error
         except asyncio.CancelledError:
             return  # an abort stopped the posting; the drain waits for what was posted
         except TransportError as exc:
@@ -301,7 +311,8 @@ class PushDriver:
     def _drain(self, push: Push) -> None:
         """POSTS_DONE once no posted write of ``push`` is outstanding."""
         async def drained() -> None:
-            await asyncio.gather(*push.posts, return_exceptions=True)
+            if push.posts:
+                await asyncio.wait(push.posts)  # never cancels them (see _post)
             if push.machine.can(PushEvent.POSTS_DONE):
                 push.event(PushEvent.POSTS_DONE)
         spawn(drained(), f"drain-{push.req}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..rdma import rdma_available
-from .base import DataChannel, Initiator, RemoteRegion, Responder, Transport, Write
+from .base import DataChannel, Door, Initiator, RemoteRegion, Responder, Transport, Write
 
-__all__ = ["DataChannel", "Initiator", "RemoteRegion", "Responder", "Transport",
+__all__ = ["DataChannel", "Door", "Initiator", "RemoteRegion", "Responder", "Transport",
            "TransportOptions", "Write", "make_transport", "resolve"]
 
 
@@ -33,6 +33,11 @@ class TransportOptions:
     listen_host: str = "0.0.0.0"
     data_port: int = 0
     listen_at_start: bool = False
+    # The receiver's pool: writable only under per-lease keys (memory windows
+    # over verbs, granted ranges over TCP), never under a region-wide key.
+    per_lease_keys: bool = False
+    # TCP: the data listener's door (handshake timeout, cap, counted refusals).
+    door: Door | None = None
 
 
 def make_transport(options: TransportOptions) -> Transport:
@@ -40,13 +45,16 @@ def make_transport(options: TransportOptions) -> Transport:
     if name == "verbs":
         from .verbs import VerbsTransport
 
-        # Both daemons' pools accept remote writes: the sender's only from the
-        # echo channel a receiver opens back to it, since no other QP in its
-        # protection domain ever learns the key.
+        # The sender's staging accepts remote writes under its region key
+        # only from the echo channel a receiver opens back to it (no other QP
+        # in its protection domain learns the key); the receiver's pool only
+        # under a lease's memory window.
         return VerbsTransport(device=options.rdma_device, gid_index=options.gid_index,
-                              receive_depth=options.receive_depth, remote_write=True,
+                              receive_depth=options.receive_depth,
+                              per_lease_keys=options.per_lease_keys,
                               spin_us=options.poll_spin_us)
     from .tcp import TcpTransport
 
     return TcpTransport(options.listen_host, options.data_port,
-                        listen=options.listen_at_start)
+                        listen=options.listen_at_start, per_lease_keys=options.per_lease_keys,
+                        door=options.door)

@@ -3,7 +3,9 @@
 The shape follows RDMA verbs, so the daemons never learn which transport
 they run over:
 
-- memory is *registered* once and addressed remotely by (region key, offset);
+- memory is *registered* once and addressed remotely by (key, offset); a
+  responder with per-lease keys (the receiver) grants a key per byte range
+  and revokes it, and a write under any other key is a remote access error;
 - the initiator *posts* a list of writes local→remote and is told when all of
   them have been placed in the remote memory (one signalled completion per
   post, because per-work-request completions are what small chunks cannot
@@ -23,7 +25,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -34,6 +36,19 @@ log = structlog.get_logger("kvwired.transport")
 
 ImmediateHandler = Callable[[int], None]
 ErrorHandler = Callable[[Exception], None]
+
+
+class Door(Protocol):
+    """What a data listener may cost before a connection proves it belongs to a
+    session (``gate.Gate`` is one): admitted or refused, a timeout, counted."""
+
+    timeout: float
+
+    def admit(self, address: str) -> bool: ...
+
+    def settled(self) -> None: ...
+
+    def refuse(self, address: str, reason: str, detail: str) -> None: ...
 
 
 class Write(NamedTuple):
@@ -108,11 +123,15 @@ class DataChannel(ABC):
         return 0
 
     @abstractmethod
-    def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
+    def post(self, writes: Sequence[Write], imm: int | None = None,
+             key: int | None = None) -> asyncio.Future[None]:
         """Queue ``writes`` in order; the last carries ``imm`` if given.
 
-        Never blocks. The future resolves when every write of this post has
-        been placed remotely, or fails with a ``TransportError``.
+        ``key`` is the key the responder granted for the range written (a
+        lease's); None writes under the region's key, which a responder with
+        per-lease keys refuses. Never blocks. The future resolves when every
+        write of this post has been placed remotely, or fails with a
+        ``TransportError``.
         """
 
     @property
@@ -141,6 +160,16 @@ class Responder(ABC):
         """Prepare to receive (receives posted, listener armed); return the answer."""
 
     @abstractmethod
+    async def grant(self, offset: int, length: int) -> int:
+        """A key under which this responder's initiator may write ``length``
+        bytes at ``offset``, and nowhere else."""
+
+    @abstractmethod
+    def revoke(self, key: int, then: Callable[[], None]) -> None:
+        """End ``key``; ``then`` runs once no write under it can land any more
+        (at once if the connection is gone). Unknown keys just run ``then``."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
 
@@ -163,6 +192,8 @@ class Transport(ABC):
     """A kind of data path (``tcp``, ``verbs``) bound to one daemon's memory."""
 
     name: str
+    # Keys per granted range (the receiver), or one key for the whole region.
+    per_lease_keys: bool = False
 
     @abstractmethod
     async def start(self, memory: SharedMemory) -> None:

@@ -4,8 +4,14 @@ Wire format (little-endian, 32-byte header, payload follows a WRITE):
 
     op u8 | flags u8 | pad u16 | rkey u32 | imm u32 | length u32 | offset u64 | wr_id u64
 
-The responder checks every write against its registered region (key and
-bounds, like an RDMA NIC checks an rkey) and lands the payload in the pool.
+The responder checks every write against what its key grants (a lease's
+range on the receiver, the whole region on a sender answering an echo), as
+an RDMA NIC checks an rkey against a memory window, and lands the payload in
+the pool; a write outside is answered with a NAK (the initiator's remote
+access error) and ends the connection. Until a connection presents its
+session's token it holds a 16-byte buffer and nothing else, and the door
+(``TransportOptions.door``) times it out, caps how many there are and counts
+each refusal.
 Large payloads are received straight into the pool with ``recv_into``; small
 ones arrive through a bounce buffer and are copied, because for a 512 B
 chunk a syscall costs far more than the copy. A signalled write is
@@ -18,16 +24,18 @@ import asyncio
 import secrets
 import socket
 import struct
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import structlog
 
-from ..errors import PeerLost, TransportError
+from ..errors import PeerLost, RemoteAccessError, TransportError
 from ..pool import SharedMemory
 from .base import (
     DataChannel,
+    Door,
     ErrorHandler,
     ImmediateHandler,
     Initiator,
@@ -42,6 +50,7 @@ log = structlog.get_logger("kvwired.transport.tcp")
 HEADER = struct.Struct("<BBxxIIIQQ")
 OP_WRITE = 1
 OP_ACK = 2
+OP_NAK = 3  # a write refused (remote access error); the connection ends
 FLAG_SIGNALED = 1
 FLAG_IMM = 2
 TOKEN_BYTES = 16
@@ -57,12 +66,14 @@ def _tune(sock: socket.socket) -> None:
 
 
 class _ResponderProtocol(asyncio.BufferedProtocol):
-    """Receives WRITE frames into the registered memory."""
+    """Receives WRITE frames into the registered memory, once bound to a session."""
 
     def __init__(self, transport: TcpTransport) -> None:
         self._owner = transport
-        self._bounce = bytearray(BOUNCE_BYTES)
-        self._bounce_view = memoryview(self._bounce)
+        # Before the token: room for the token alone, whatever the peer sends.
+        self._token = bytearray(TOKEN_BYTES)
+        self._token_got = 0
+        self._bounce_view = memoryview(bytearray(0))
         self._start = 0
         self._end = 0
         self._responder: TcpResponder | None = None
@@ -70,15 +81,65 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         # A large payload being received in place: (pool offset, bytes left).
         self._direct: tuple[int, int] | None = None
         self._direct_done: tuple[int, int, int] = (0, 0, 0)  # flags, imm, wr_id
+        self._address = "?"
+        self._admitted = False  # counted by the door until bound or gone
+        self._refused = False  # refused and counted already
+        self._expiry: asyncio.TimerHandle | None = None
+        self._discarding = False  # a write was refused: the rest is dropped
+        # The key of the write being received in place, and what waits for it
+        # to end (a revocation: its bytes must not land after the slot is reused).
+        self._direct_key: int | None = None
+        self._after_direct: list[Callable[[], None]] = []
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
         _tune(transport.get_extra_info("socket"))
+        peer = transport.get_extra_info("peername")
+        self._address = f"{peer[0]}:{peer[1]}" if peer else "?"
+        door = self._owner.door
+        if door is None:
+            return
+        if not door.admit(self._address):
+            self._refused = True
+            self._transport.abort()
+            return
+        self._admitted = True
+        self._expiry = asyncio.get_running_loop().call_later(door.timeout, self._expire)
+
+    def _settle(self) -> None:
+        if self._admitted:
+            self._admitted = False
+            assert self._owner.door is not None
+            self._owner.door.settled()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _refuse(self, reason: str, detail: str) -> None:
+        self._settle()
+        self._refused = True
+        if self._owner.door is not None:
+            self._owner.door.refuse(self._address, reason, detail)
+        else:
+            log.warning("data connection refused", address=self._address, reason=reason,
+                        detail=detail)
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _expire(self) -> None:
+        self._expiry = None
+        if self._responder is None and not self._refused:
+            door = self._owner.door
+            self._refuse("timeout", f"no session token within {door.timeout if door else 0:g} s")
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._responder is None:
+            return memoryview(self._token)[self._token_got:]
         if self._direct is not None:
             offset, left = self._direct
             return self._owner.memory_view[offset : offset + left]
+        if self._discarding:
+            return self._bounce_view
         if self._start == self._end:
             self._start = self._end = 0
         elif self._end > BOUNCE_BYTES - DIRECT_THRESHOLD:
@@ -89,6 +150,13 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         return self._bounce_view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._responder is None:
+            self._token_got += nbytes
+            if self._token_got == TOKEN_BYTES:
+                self._bind(bytes(self._token))
+            return
+        if self._discarding:
+            return
         try:
             if self._direct is not None:
                 offset, left = self._direct
@@ -97,6 +165,8 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
                     self._direct = (offset + nbytes, left)
                     return
                 self._direct = None
+                self._direct_key = None
+                self._run_after_direct()
                 self._finish_write(*self._direct_done)
                 return
             self._end += nbytes
@@ -107,16 +177,16 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
     def _parse(self) -> None:
         view = self._bounce_view
         memory = self._owner.memory_view
-        if self._responder is None:
-            if self._end - self._start < TOKEN_BYTES:
-                return
-            self._bind(bytes(view[self._start : self._start + TOKEN_BYTES]))
-            self._start += TOKEN_BYTES
+        assert self._responder is not None
         while self._end - self._start >= HEADER.size:
             op, flags, rkey, imm, length, offset, wr_id = HEADER.unpack_from(view, self._start)
             if op != OP_WRITE:
                 raise TransportError(f"unexpected data-path opcode {op}")
-            self._owner.check_access(rkey, offset, length)
+            try:
+                self._responder.check_access(rkey, offset, length)
+            except RemoteAccessError as exc:
+                self._refuse_write(exc, wr_id)
+                return
             body = self._start + HEADER.size
             available = self._end - body
             if available >= length:
@@ -130,14 +200,41 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
             self._start = self._end
             self._direct = (offset + available, length - available)
             self._direct_done = (flags, imm, wr_id)
+            self._direct_key = rkey
             return
+
+    def when_write_under(self, key: int, then: Callable[[], None]) -> bool:
+        """If a write under ``key`` is still landing, run ``then`` once it has."""
+        if self._direct is None or self._direct_key != key:
+            return False
+        self._after_direct.append(then)
+        return True
+
+    def _run_after_direct(self) -> None:
+        waiting, self._after_direct = self._after_direct, []
+        for then in waiting:
+            then()
 
     def _bind(self, token: bytes) -> None:
         responder = self._owner.claim(token)
         if responder is None:
-            raise TransportError("data connection presented an unknown token")
+            self._refuse("bad_token", "a data connection presented no live session's token")
+            return
+        self._settle()
         self._responder = responder
+        self._bounce_view = memoryview(bytearray(BOUNCE_BYTES))
         responder.attached(self)
+
+    def _refuse_write(self, error: RemoteAccessError, wr_id: int) -> None:
+        """NAK the write (the initiator's remote access error), drop the rest, end."""
+        log.warning("write refused", address=self._address, error=error.message)
+        self._discarding = True
+        self._bounce_view = memoryview(bytearray(64 * 1024))  # a sink
+        if self._transport is not None:
+            self._transport.write(HEADER.pack(OP_NAK, 0, 0, 0, 0, 0, wr_id))
+            self._transport.close()  # after the NAK is out
+        if self._responder is not None:
+            self._responder.on_error(error)
 
     def _finish_write(self, flags: int, imm: int, wr_id: int) -> None:
         assert self._responder is not None and self._transport is not None
@@ -155,6 +252,11 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
             self._transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._direct = None
+        self._run_after_direct()
+        if self._responder is None and not self._refused and self._admitted:
+            self._refuse("incomplete", f"closed before its token ({exc or 'end of stream'})")
+        self._settle()
         if self._responder is not None:
             self._responder.on_error(
                 PeerLost(f"incoming data connection closed ({exc or 'end of stream'})")
@@ -177,9 +279,50 @@ class TcpResponder(Responder):
         self._host = advertise_host
         self.on_immediate = on_immediate
         self._on_error = on_error
-        self._protocol: _ResponderProtocol | None = None
+        # Every data connection that presented this session's token.
+        self._protocols: list[_ResponderProtocol] = []
         self._token = b""
         self._closed = False
+        self._grants: dict[int, tuple[int, int]] = {}  # key -> [start, end)
+        # Recently revoked keys, to tell a late write from a forged one.
+        self._revoked: dict[int, float] = {}
+
+    async def grant(self, offset: int, length: int) -> int:
+        while True:
+            key = secrets.randbits(32)
+            if key and key not in self._grants and key != self._owner.region.key:
+                break
+        self._grants[key] = (offset, offset + length)
+        return key
+
+    def revoke(self, key: int, then: Callable[[], None]) -> None:
+        # Writes are checked as their headers are parsed, in this loop: once
+        # the key is gone, no new write under it can land.
+        if self._grants.pop(key, None) is not None:
+            self._revoked[key] = time.monotonic()
+            if len(self._revoked) > 1024:
+                del self._revoked[next(iter(self._revoked))]
+        # A large write checked against the key before it was revoked may
+        # still be landing in place: the slot is free once it has.
+        if any(protocol.when_write_under(key, then) for protocol in self._protocols):
+            return
+        then()
+
+    def check_access(self, key: int, offset: int, length: int) -> None:
+        if not self._owner.per_lease_keys:
+            self._owner.check_access(key, offset, length)
+            return
+        span = self._grants.get(key)
+        if span is None:
+            revoked = self._revoked.get(key)
+            raise RemoteAccessError(
+                f"remote access error: a write of {length} B at {offset} under key {key:#x}, "
+                + (f"revoked {(time.monotonic() - revoked) * 1e3:.1f} ms ago when its lease "
+                   "ended" if revoked is not None else "never granted to this sender"))
+        if offset < span[0] or length < 0 or offset + length > span[1]:
+            raise RemoteAccessError(
+                f"remote access error: a write of {length} B at {offset} is outside the "
+                f"{span[1] - span[0]} B at {span[0]} its key grants")
 
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
         if not self._owner.listening:
@@ -190,7 +333,7 @@ class TcpResponder(Responder):
                 "region": self._owner.region.to_wire()}
 
     def attached(self, protocol: _ResponderProtocol) -> None:
-        self._protocol = protocol
+        self._protocols.append(protocol)
 
     def on_error(self, exc: Exception) -> None:
         if not self._closed:
@@ -199,9 +342,10 @@ class TcpResponder(Responder):
 
     def close(self) -> None:
         self._closed = True
+        self._grants.clear()
         self._owner.forget(self._token)
-        if self._protocol is not None:
-            self._protocol.close()
+        for protocol in self._protocols:
+            protocol.close()
 
 
 class _InitiatorProtocol(asyncio.Protocol):
@@ -219,6 +363,11 @@ class _InitiatorProtocol(asyncio.Protocol):
         usable = len(self._buffer) - len(self._buffer) % HEADER.size
         for start in range(0, usable, HEADER.size):
             op, *_, wr_id = HEADER.unpack_from(self._buffer, start)
+            if op == OP_NAK:
+                self._channel.fail(RemoteAccessError(
+                    "remote access error: the receiver refused a write outside every range "
+                    "it granted this sender"))
+                return
             if op != OP_ACK:
                 self._channel.fail(TransportError(f"unexpected data-path opcode {op}"))
                 return
@@ -244,7 +393,8 @@ class TcpDataChannel(DataChannel):
         self._memory = memory
         self._remote = remote
         self._transport: asyncio.Transport | None = None
-        self._queue: deque[tuple[Sequence[Write], int | None, asyncio.Future[None]]] = deque()
+        self._queue: deque[tuple[Sequence[Write], int | None, int | None,
+                                 asyncio.Future[None]]] = deque()
         self._inflight: dict[int, asyncio.Future[None]] = {}
         self._pending = 0  # writes posted and not yet acknowledged
         self._writes_of: dict[int, int] = {}
@@ -272,12 +422,13 @@ class TcpDataChannel(DataChannel):
     def alive(self) -> bool:
         return self._error is None and self._transport is not None
 
-    def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
+    def post(self, writes: Sequence[Write], imm: int | None = None,
+             key: int | None = None) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._error is not None:
             future.set_exception(self._error)
         else:
-            self._queue.append((writes, imm, future))
+            self._queue.append((writes, imm, key, future))
             self._pending += len(writes)
             self._wakeup.set()
         return future
@@ -297,13 +448,14 @@ class TcpDataChannel(DataChannel):
             await self.writable.wait()
             if self._error is not None or self._transport is None:
                 return
-            writes, imm, future = self._queue.popleft()
-            self._transport.writelines(self._frames(writes, imm, future))
+            writes, imm, key, future = self._queue.popleft()
+            self._transport.writelines(self._frames(writes, imm, key, future))
 
     def _frames(
-        self, writes: Sequence[Write], imm: int | None, future: asyncio.Future[None]
+        self, writes: Sequence[Write], imm: int | None, key: int | None,
+        future: asyncio.Future[None],
     ) -> list[bytes | memoryview]:
-        key = self._remote.key
+        key = self._remote.key if key is None else key
         memory = self._memory
         pack = HEADER.pack
         frames: list[bytes | memoryview] = []
@@ -334,7 +486,7 @@ class TcpDataChannel(DataChannel):
         # The pump waits on these; it sees the error and ends.
         self.writable.set()
         self._wakeup.set()
-        pending = list(self._inflight.values()) + [f for _, _, f in self._queue]
+        pending = list(self._inflight.values()) + [f for *_, f in self._queue]
         self._inflight.clear()
         self._queue.clear()
         return pending
@@ -369,7 +521,10 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, listen_host: str = "0.0.0.0", data_port: int = 0,
-                 listen: bool = False) -> None:
+                 listen: bool = False, per_lease_keys: bool = False,
+                 door: Door | None = None) -> None:
+        self.per_lease_keys = per_lease_keys
+        self.door = door
         self._listen_host = listen_host
         self._data_port = data_port
         self._listen = listen

@@ -42,13 +42,13 @@ import structlog
 from pyverbs.addr import GID, AHAttr, GlobalRoute
 from pyverbs.cq import CQ, CompChannel, cqe_status_to_str
 from pyverbs.device import Context
-from pyverbs.mr import MR
+from pyverbs.mr import MR, MW, MWBindInfo
 from pyverbs.pd import PD
 from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QPAttr, QPCap, QPEx, QPInitAttrEx
 from pyverbs.wr import SGE, RecvWR
 
-from ..errors import TransportError
+from ..errors import RemoteAccessError, TransportError
 from ..pool import SharedMemory
 from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid
 from ..units import format_size
@@ -82,7 +82,8 @@ HINTS = {
     e.IBV_WC_RETRY_EXC_ERR: "the peer did not acknowledge: it is gone, or the GID/network "
     "between the nodes is wrong",
     e.IBV_WC_RNR_RETRY_EXC_ERR: "the receiver had no receive posted (its queue ran dry)",
-    e.IBV_WC_REM_ACCESS_ERR: "the write fell outside the receiver's registered region",
+    e.IBV_WC_REM_ACCESS_ERR: "the write fell outside what its key grants: outside its "
+    "lease, or under a key revoked when the lease ended",
     e.IBV_WC_WR_FLUSH_ERR: "flushed after an earlier error on the same queue pair",
 }
 
@@ -117,7 +118,8 @@ STATUS_NAMES = {
 
 def completion_error(status: int, qp_num: int, what: str) -> TransportError:
     text = cqe_status_to_str(status)
-    return TransportError(f"{what} on QP {qp_num} failed: {text} (status {status})",
+    kind = RemoteAccessError if status == e.IBV_WC_REM_ACCESS_ERR else TransportError
+    return kind(f"{what} on QP {qp_num} failed: {text} (status {status})",
                           hint=HINTS.get(status, "the queue pair is torn down and rebuilt on "
                                          "the next request"),
                           status=STATUS_NAMES.get(status, f"status_{status}"))
@@ -126,13 +128,14 @@ def completion_error(status: int, qp_num: int, what: str) -> TransportError:
 class _Device:
     """One opened RDMA device: context, protection domain, the pool's MR."""
 
-    def __init__(self, name: str, memory: SharedMemory, remote_write: bool) -> None:
+    def __init__(self, name: str, memory: SharedMemory, per_lease_keys: bool) -> None:
         self.name = name
         self.context = Context(name=name)
         self.pd = PD(self.context)
-        access = e.IBV_ACCESS_LOCAL_WRITE
-        if remote_write:
-            access |= e.IBV_ACCESS_REMOTE_WRITE
+        # Per-lease keys: the MR itself grants no remote access, only the
+        # memory windows bound over it do, each to one lease's bytes.
+        access = e.IBV_ACCESS_LOCAL_WRITE | (
+            e.IBV_ACCESS_MW_BIND if per_lease_keys else e.IBV_ACCESS_REMOTE_WRITE)
         self.base = _address_of(memory)
         try:
             self.mr = MR(self.pd, memory.size, access, address=self.base)
@@ -277,7 +280,8 @@ class _QueuePair:
     """An RC QP and its CQ, driven RESET -> INIT -> RTR -> RTS with checks."""
 
     def __init__(self, device: _Device, gid: GidEntry, recv_depth: int,
-                 on_completions: Callable[[list[Any]], None], spin_seconds: float) -> None:
+                 on_completions: Callable[[list[Any]], None], spin_seconds: float,
+                 windows: bool = False) -> None:
         self.device = device
         self.gid = gid
         self.mtu = device.port_mtu(gid.port)
@@ -290,7 +294,8 @@ class _QueuePair:
                           max_send_sge=1, max_recv_sge=1),
                 comp_mask=e.IBV_QP_INIT_ATTR_PD | e.IBV_QP_INIT_ATTR_SEND_OPS_FLAGS,
                 send_ops_flags=e.IBV_QP_EX_WITH_RDMA_WRITE
-                | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM,
+                | e.IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+                | (e.IBV_QP_EX_WITH_BIND_MW | e.IBV_QP_EX_WITH_LOCAL_INV if windows else 0),
                 sq_sig_all=0)
             self.qp = QPEx(device.context, init)
         except PyverbsError as exc:
@@ -370,6 +375,7 @@ class _QueuePair:
 class _Post:
     writes: Sequence[Write]
     imm: int | None
+    key: int
     future: asyncio.Future[None]
     next: int = 0
 
@@ -407,7 +413,8 @@ class VerbsDataChannel(DataChannel):
     def alive(self) -> bool:
         return self._error is None
 
-    def post(self, writes: Sequence[Write], imm: int | None = None) -> asyncio.Future[None]:
+    def post(self, writes: Sequence[Write], imm: int | None = None,
+             key: int | None = None) -> asyncio.Future[None]:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if self._error is not None:
             future.set_exception(self._error)
@@ -418,7 +425,8 @@ class VerbsDataChannel(DataChannel):
                     f"write of {w.length} B at {w.remote_offset} is outside the remote "
                     f"{self._remote_size} B region"))
                 return future
-        self._queue.append(_Post(self._split(writes), imm, future))
+        self._queue.append(_Post(self._split(writes), imm,
+                                 self._rkey if key is None else key, future))
         self._post_some()
         self._qp.cq.kick()
         return future
@@ -459,9 +467,9 @@ class VerbsDataChannel(DataChannel):
                     qp.wr_flags = e.IBV_SEND_SIGNALED if signalled else 0
                     remote = self._remote_base + w.remote_offset
                     if i == last and post.imm is not None:
-                        qp.wr_rdma_write_imm(self._rkey, remote, post.imm)
+                        qp.wr_rdma_write_imm(post.key, remote, post.imm)
                     else:
-                        qp.wr_rdma_write(self._rkey, remote)
+                        qp.wr_rdma_write(post.key, remote)
                     sge.addr = self._local_base + w.local_offset
                     sge.length = w.length
                     qp.wr_set_sge(sge)
@@ -537,11 +545,45 @@ class VerbsInitiator(Initiator):
             self._qp.close()
 
 
+class _Window:
+    """A type 2 memory window: bound to one lease's bytes on one QP at a time."""
+
+    # The key's low byte is ours to change: a new one for every binding, so
+    # a key revoked before is refused even by the window bound again. After
+    # 255 bindings the byte would come round to an old key: the window is
+    # retired instead, and a new one (a new index) takes its place.
+    MAX_BINDINGS = 255
+
+    def __init__(self, pd: PD) -> None:
+        self.mw = MW(pd, e.IBV_MW_TYPE_2)
+        self.rkey = int(self.mw.rkey)
+        self.bindings = 0
+
+    def next_key(self) -> int:
+        self.bindings += 1
+        self.rkey = (self.rkey & ~0xFF) | ((self.rkey + 1) & 0xFF)
+        return self.rkey
+
+    @property
+    def worn_out(self) -> bool:
+        return self.bindings >= self.MAX_BINDINGS
+
+
 class VerbsResponder(Responder):
-    """Receives immediates; keeps ``depth`` receives posted, one re-posted per one consumed."""
+    """Receives immediates; keeps ``depth`` receives posted, one re-posted per one consumed.
+
+    With per-lease keys it also binds a memory window per granted range on
+    its own QP (a type 2 window answers only to that QP, so the key is
+    useless to any other connection) and invalidates it on revoke; both are
+    work requests on the QP's send queue, answered by completions.
+    """
 
     def __init__(self, owner: VerbsTransport, local_host: str, on_immediate: ImmediateHandler,
                  on_error: ErrorHandler, depth: int) -> None:
+        self._windows: dict[int, _Window] = {}  # bound, by key
+        self._spare: list[_Window] = []  # invalidated, to bind again
+        self._waiting: dict[int, Callable[[Exception | None], None]] = {}  # by wr_id
+        self._next_wr_id = 1
         self._owner = owner
         self._local_host = local_host
         self._on_immediate = on_immediate
@@ -553,7 +595,8 @@ class VerbsResponder(Responder):
 
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
         remote = _Endpoint.from_wire(offer)
-        qp = self._owner.queue_pair(self._local_host, self._depth, self._on_completions)
+        qp = self._owner.queue_pair(self._local_host, self._depth, self._on_completions,
+                                    windows=self._owner.per_lease_keys)
         self._qp = qp
         try:
             # A WRITE_WITH_IMM consumes a receive but writes nothing into its
@@ -578,11 +621,79 @@ class VerbsResponder(Responder):
         # Every consumed receive is re-posted before its immediate is handled.
         return 0 if self._closed or self._qp is None else self._depth
 
+    async def grant(self, offset: int, length: int) -> int:
+        qp = self._qp
+        if not self._owner.per_lease_keys:
+            assert qp is not None
+            return int(qp.device.mr.rkey)
+        if self._closed or qp is None:
+            raise TransportError("the data connection closed before the lease was granted")
+        window = self._spare.pop() if self._spare else _Window(qp.device.pd)
+        key = window.next_key()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        bind = MWBindInfo(qp.device.mr, qp.device.base + offset, length,
+                          e.IBV_ACCESS_REMOTE_WRITE)
+        self._post_send(lambda q: q.wr_bind_mw(window.mw, key, bind),
+                        lambda error: _settle(done, error), "binding a memory window")
+        await done
+        self._windows[key] = window
+        return key
+
+    def revoke(self, key: int, then: Callable[[], None]) -> None:
+        window = self._windows.pop(key, None)
+        if window is None or self._closed:
+            then()  # never bound, or its QP is gone: no write can use it
+            return
+
+        def invalidated(error: Exception | None) -> None:
+            if error is None and not window.worn_out:
+                self._spare.append(window)
+            elif error is None:
+                with contextlib.suppress(PyverbsError):
+                    window.mw.close()
+            then()  # on an error the QP is torn down: no write can land either
+        self._post_send(lambda q: q.wr_local_inv(key), invalidated,
+                        "invalidating a memory window")
+
+    def _post_send(self, build: Callable[[Any], None],
+                   done: Callable[[Exception | None], None], what: str) -> None:
+        """One signalled work request on the send queue; ``done`` hears its end."""
+        assert self._qp is not None
+        qp = self._qp.qp
+        wr_id = self._next_wr_id
+        self._next_wr_id += 1
+        self._waiting[wr_id] = done
+        try:
+            qp.wr_start()
+            qp.wr_id = wr_id
+            qp.wr_flags = e.IBV_SEND_SIGNALED
+            build(qp)
+            qp.wr_complete()
+        except PyverbsError as exc:
+            with contextlib.suppress(PyverbsError):
+                qp.wr_abort()
+            self._fail(TransportError(f"{what} failed: {exc}"))
+            return
+        self._qp.cq.kick()
+
     def _on_completions(self, completions: list[Any]) -> None:
         assert self._qp is not None
         for wc in completions:
             if self._closed:
                 return
+            # A failed completion's opcode is undefined: its wr_id says what it was.
+            if wc.wr_id in self._waiting and (
+                    wc.status != e.IBV_WC_SUCCESS
+                    or wc.opcode in (e.IBV_WC_BIND_MW, e.IBV_WC_LOCAL_INV)):
+                done = self._waiting.pop(wc.wr_id)
+                if wc.status != e.IBV_WC_SUCCESS:
+                    error = completion_error(wc.status, self._qp.qp.qp_num,
+                                             "a memory window operation")
+                    done(error)
+                    self._fail(error)
+                    return
+                done(None)
+                continue
             if wc.status != e.IBV_WC_SUCCESS:
                 self._fail(completion_error(wc.status, self._qp.qp.qp_num, "receive"))
                 return
@@ -607,18 +718,36 @@ class VerbsResponder(Responder):
         self._closed = True
         if self._qp is not None:
             self._qp.close()
+        # The QP is gone, so no window bound to it answers any more.
+        waiting, self._waiting = self._waiting, {}
+        for done in waiting.values():
+            done(TransportError("the data connection closed"))
+        for window in [*self._windows.values(), *self._spare]:
+            with contextlib.suppress(PyverbsError):
+                window.mw.close()
+        self._windows.clear()
+        self._spare.clear()
+
+
+def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 class VerbsTransport(Transport):
     name = "verbs"
 
     def __init__(self, device: str = "", gid_index: int = -1, receive_depth: int = 64,
-                 remote_write: bool = False, spin_us: float = 0.0) -> None:
+                 per_lease_keys: bool = False, spin_us: float = 0.0) -> None:
+        self.per_lease_keys = per_lease_keys
         self._device_name = device
         self._spin_seconds = spin_us / 1e6
         self._gid_index = gid_index
         self._receive_depth = receive_depth
-        self._remote_write = remote_write
         self._memory: SharedMemory | None = None
         self._devices: dict[str, _Device] = {}
 
@@ -639,14 +768,15 @@ class VerbsTransport(Transport):
     def _device(self, name: str) -> _Device:
         if name not in self._devices:
             assert self._memory is not None, "transport not started"
-            self._devices[name] = _Device(name, self._memory, self._remote_write)
+            self._devices[name] = _Device(name, self._memory, self.per_lease_keys)
         return self._devices[name]
 
     def queue_pair(self, local_host: str, recv_depth: int,
-                   on_completions: Callable[[list[Any]], None]) -> _QueuePair:
+                   on_completions: Callable[[list[Any]], None],
+                   windows: bool = False) -> _QueuePair:
         gid = pick_gid(local_host, self._device_name, self._gid_index)
         return _QueuePair(self._device(gid.device), gid, recv_depth, on_completions,
-                          self._spin_seconds)
+                          self._spin_seconds, windows)
 
     def initiator(self, local_host: str) -> Initiator:
         return VerbsInitiator(self, local_host)
