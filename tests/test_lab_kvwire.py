@@ -183,16 +183,18 @@ def test_one_sender_into_two_receivers(daemons: Daemons) -> None:
         f"decode-b-{daemons.transport}", transport=daemons.transport,
         listen=f"{DECODE_ADDRESS}:{port}", data_port=port + 1, metrics="0.0.0.0:0",
         pool_size="64MiB"), daemons.state).start()
+    # Peers are named as their receivers' certificates name them.
+    second_name = f"decode-b-{daemons.transport}"
     multi = NodeDaemon("prefill", "sender", sender_config(
         f"prefill-multi-{daemons.transport}", transport=daemons.transport,
-        metrics="0.0.0.0:0", peers={"decode": f"{DECODE_ADDRESS}:7471",
-                                     "decode-b": f"{DECODE_ADDRESS}:{port}"}),
+        metrics="0.0.0.0:0", staging_size="64MiB",
+        peers={"decode": f"{DECODE_ADDRESS}:7471", second_name: f"{DECODE_ADDRESS}:{port}"}),
         daemons.state).start()
     try:
         to_a = consume(daemons, [f"{daemons.transport}-to-a"], seed=9)
         to_b = consume(daemons, [f"{daemons.transport}-to-b"], seed=9, socket=second.socket)
         for req, peer in ((f"{daemons.transport}-to-a", "decode"),
-                          (f"{daemons.transport}-to-b", "decode-b")):
+                          (f"{daemons.transport}-to-b", second_name)):
             code, _, err = push(daemons, req, 9, socket=multi.socket, peer=peer)
             assert code == 0, err
         assert records_of(to_a)[0]["bytes_ok"] and records_of(to_b)[0]["bytes_ok"]
