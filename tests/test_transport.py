@@ -241,3 +241,32 @@ async def test_lease_keys_are_fresh_across_grants_of_one_range(pair: Pair) -> No
     pair.src_memory.view[:64] = b"F" * 64
     await asyncio.wait_for(channel.post([Write(0, 0, 64)], key=current), 10)
     assert bytes(pair.dst_memory.view[:64]) == b"F" * 64
+
+
+async def test_a_lease_key_answers_only_to_its_own_connection(pair: Pair) -> None:
+    """Two initiators of one responder transport (two sessions): a key granted
+    to one is refused on the other's connection, as a leaked key would be."""
+    src = make_transport(TransportOptions(name=pair.name))
+    dst = make_transport(TransportOptions(name=pair.name, listen_host=pair.host,
+                                          listen_at_start=True, receive_depth=16,
+                                          per_lease_keys=True))
+    pair.transports += [src, dst]
+    await src.start(pair.src_memory)
+    await dst.start(pair.dst_memory)
+    channels, responders = [], []
+    for _ in range(2):
+        responder = dst.responder(pair.host, pair.immediates.append, pair.errors.append)
+        initiator = src.initiator(pair.host)
+        channels.append(await initiator.complete(await responder.accept(
+            await initiator.offer())))
+        responders.append(responder)
+    mine = await responders[0].grant(0, 4096)
+    pair.src_memory.view[:64] = b"O" * 64
+    await asyncio.wait_for(channels[0].post([Write(0, 0, 64)], key=mine), 10)
+    pair.src_memory.view[:64] = b"X" * 64
+    with pytest.raises(RemoteAccessError):
+        await asyncio.wait_for(channels[1].post([Write(0, 0, 64)], key=mine), 30)
+    assert bytes(pair.dst_memory.view[:64]) == b"O" * 64
+    for channel, responder in zip(channels, responders, strict=True):
+        channel.close()
+        responder.close()
