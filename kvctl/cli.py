@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 import uuid
 
@@ -104,6 +105,9 @@ def _layout(args: argparse.Namespace) -> KVLayout:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A shell's background job starts its children with SIGINT ignored; a
+    # command that stops on Ctrl-C (metrics --watch, consume) must still.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     try:
         if args.command == "push":

@@ -161,9 +161,16 @@ def watch(urls: Sequence[str], interval: float) -> None:
         return grid
 
     console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)  # a log or a pipe: do not squeeze 14 columns into 80
     statuses, at, rows = collect(urls, interval)
+    if not console.is_terminal:
+        # A log or a pipe: a frame after another, each whole as it is made
+        # (a live display would only draw on exit), 14 columns not squeezed.
+        console = Console(width=200)
+        while True:
+            console.print(as_table(rows))
+            console.file.flush()
+            time.sleep(interval)
+            statuses, at, rows = collect(urls, interval, statuses, at)
     with Live(as_table(rows), console=console, auto_refresh=False) as live:
         while True:
             time.sleep(interval)

@@ -41,7 +41,9 @@ class Host:
     ifname: str
 
 
-class HarnessError(KvwireError, code="harness"):
+class HarnessError(KvwireError, code="harness",
+                   hint="the namespaces need root and iproute2; the daemon logs are in "
+                        "the work directory"):
     """The two-namespace harness could not be set up or run."""
 
 

@@ -29,7 +29,6 @@ from .status import HEADERS as STATUS_HEADERS
 async def netns_demo(repeat: int = 3, out: TextIO = sys.stdout) -> list[PushRecord]:
     layout = KVLayout()
     data = synthetic(layout)
-    shape = layout.shape()
     print(f"KV cache: {layout.layers} layers x {layout.tokens} tokens x {layout.kv_heads} KV "
           f"heads x head dim {layout.head_dim}, {layout.dtype}, K and V = "
           f"{format_size(layout.total_bytes)}", file=out)
@@ -42,7 +41,7 @@ async def netns_demo(repeat: int = 3, out: TextIO = sys.stdout) -> list[PushReco
         decode = await ReceiverClient.connect(receiver.socket)
         try:
             for granularity in GRANULARITIES:
-                runs = [await push_one(prefill, "decode", f"demo-{granularity}-{n}", shape,
+                runs = [await push_one(prefill, "decode", f"demo-{granularity}-{n}", layout,
                                        data, chunk=granularity, receiver=decode)
                         for n in range(repeat)]
                 median = sorted(runs, key=lambda r: r.seconds)[len(runs) // 2]

@@ -17,11 +17,13 @@ import numpy as np
 
 from kvwired.client import LayerLanded, ReceiverClient, SenderClient
 from kvwired.errors import KvwireError
-from kvwired.layout import RequestShape
+from kvwired.layout import KVLayout, RequestShape
 from kvwired.units import format_size
 
 
-class VerificationFailed(KvwireError, code="verification"):
+class VerificationFailed(KvwireError, code="verification",
+                         hint="the bytes differ from what was pushed: keep both logs and "
+                              "report it"):
     """Delivered bytes differ from what was sent."""
 
 
@@ -57,13 +59,18 @@ async def push_one(
     sender: SenderClient,
     peer: str,
     req: str,
-    shape: RequestShape,
+    layout: RequestShape | KVLayout,
     data: np.ndarray,
     chunk: str | int | None = None,
     receiver: ReceiverClient | None = None,
     deadline: float | None = None,
 ) -> PushRecord:
-    """Push ``data`` (uint8, ``shape.total_bytes`` long) as request ``req``."""
+    """Push ``data`` (uint8, the layout's total bytes long) as request ``req``.
+
+    A named ``chunk`` resolves against ``layout``: give a ``KVLayout`` for the
+    token granularities, a ``RequestShape`` knows its layers only.
+    """
+    shape = layout.shape() if isinstance(layout, KVLayout) else layout
     raw = memoryview(data.reshape(-1).view(np.uint8).data)
     watcher: asyncio.Task[tuple[float | None, bool, int]] | None = None
     first_commit = time.perf_counter()
@@ -71,7 +78,7 @@ async def push_one(
         receiver.subscribe(req)
         watcher = asyncio.create_task(_watch(receiver, req, raw))
     try:
-        push = await sender.open(req, peer, shape, chunk=chunk, deadline=deadline)
+        push = await sender.open(req, peer, layout, chunk=chunk, deadline=deadline)
         for n in range(shape.layers):
             offset, length = shape.layer_span(n)
             push.layer(n)[:] = raw[offset : offset + length]

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
@@ -289,7 +289,7 @@ class SenderClient(_LocalClient):
             raise UsageError(f"request {req} is already open on this client")
         fields: dict[str, Any] = {"req": req, "peer": peer, "shape": request_shape.to_wire()}
         if chunk is not None:
-            fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout)
+            fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout or request_shape)
         if deadline is not None:
             if not (isinstance(deadline, int | float) and math.isfinite(deadline)
                     and 0 < deadline <= MAX_SECONDS):
@@ -523,6 +523,9 @@ class SyncPush:
     def commit(self, n: int) -> None:
         self._runner.call(self._push.commit, n)
 
+    def wait_sent(self, n: int) -> None:
+        self._runner.run(self._push.wait_sent(n))
+
     def finish(self) -> PushResult:
         return self._runner.run(self._push.finish())
 
@@ -557,18 +560,40 @@ class SyncSenderClient(_SyncClient[SenderClient]):
         super().__init__(lambda: SenderClient.connect(path))
 
     def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
-             chunk: str | int | None = None, deadline: float | None = None) -> SyncPush:
+             chunk: str | int | None = None, deadline: float | None = None,
+             discard: bool = False) -> SyncPush:
         push = self._runner.run(self._client.open(req, peer, shape, chunk=chunk,
-                                                  deadline=deadline))
+                                                  deadline=deadline, discard=discard))
         return SyncPush(self._runner, push)
 
     def push_bytes(self, req: str, peer: str, data: bytes, **kwargs: Any) -> PushResult:
         return self._runner.run(self._client.push_bytes(req, peer, data, **kwargs))
 
+    @property
+    def peers(self) -> list[str]:
+        return self._client.peers
+
 
 class SyncReceiverClient(_SyncClient[ReceiverClient]):
     def __init__(self, path: str = DEFAULT_RECEIVER_SOCKET) -> None:
         super().__init__(lambda: ReceiverClient.connect(path))
+
+    def subscribe(self, req: str) -> None:
+        self._runner.call(self._client.subscribe, req)
+
+    def events(self, req: str) -> Iterator[LayerLanded | Delivered]:
+        """Layer events of ``req`` in order, then its ``Delivered`` (blocking)."""
+        stream = self._client.events(req)
+
+        async def following() -> LayerLanded | Delivered | None:
+            return await anext(stream, None)
+        while True:
+            event = self._runner.run(following())
+            if event is None:
+                return
+            yield event
+            if isinstance(event, Delivered):
+                return
 
     def wait_delivered(self, req: str, timeout: float | None = None) -> Delivered:
         return self._runner.run(self._client.wait_delivered(req, timeout))

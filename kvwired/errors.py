@@ -30,7 +30,7 @@ class KvwireError(Exception):
     default_status: ClassVar[str] = "error"
 
     # What to do about it, when the raiser has nothing more specific to say.
-    default_hint: ClassVar[str] = ""
+    default_hint: ClassVar[str] = "the daemons' logs say more"
 
     def __init_subclass__(cls, *, code: str = "", status: str = "", hint: str = "",
                           **kwargs: Any) -> None:
@@ -70,23 +70,31 @@ class KvwireError(Exception):
 _BY_CODE[KvwireError.code] = KvwireError
 
 
-class ConfigError(KvwireError, code="config"):
+class ConfigError(KvwireError, code="config",
+                  hint="`kvwired receiver --help` / `kvwired sender --help` list every key"):
     """A configuration file or flag is wrong."""
 
 
-class ProtocolError(KvwireError, code="protocol"):
+class ProtocolError(KvwireError, code="protocol",
+                    hint="both ends must run the same kvwire release; the peer's log says "
+                         "what it sent"):
     """A frame that cannot be decoded or does not follow the protocol."""
 
 
-class FrameTooLarge(ProtocolError, code="frame_too_large"):
+class FrameTooLarge(ProtocolError, code="frame_too_large",
+                    hint="a frame this large is not kvwire's; is something else talking "
+                         "to this port?"):
     """A frame larger than the protocol allows, refused from its length alone."""
 
 
-class VersionMismatch(ProtocolError, code="version"):
+class VersionMismatch(ProtocolError, code="version",
+                      hint="upgrade both nodes to the same kvwire release"):
     """The peer speaks another version of the protocol."""
 
 
-class TransportError(KvwireError, code="transport", status="transport_error"):
+class TransportError(KvwireError, code="transport", status="transport_error",
+                     hint="the data connection is torn down and rebuilt on the next "
+                          "request; the daemons' logs say what failed"):
     """The data path failed: a write did not complete, a connection broke."""
 
 
@@ -97,7 +105,9 @@ class RemoteAccessError(
     """A write outside every range the responder granted (or under a revoked key)."""
 
 
-class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost"):
+class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost",
+               hint="the other daemon stopped or the network between the nodes is down; "
+                    "the next request reconnects"):
     """The other daemon went away while work was in flight."""
 
 
@@ -113,47 +123,64 @@ class AccessDenied(KvwireError, code="access_denied",
     """An authenticated peer this daemon does not accept."""
 
 
-class UnknownPeer(KvwireError, code="unknown_peer"):
+class UnknownPeer(KvwireError, code="unknown_peer",
+                  hint="name a receiver from the sender's [peers]"):
     """No receiver of that name is configured on the sender."""
 
 
-class RequestRefused(KvwireError, code="refused"):
+class RequestRefused(KvwireError, code="refused",
+                     hint="the receiver's log says why; send it elsewhere or later"):
     """The receiver would not take a request (and said why)."""
 
 
-class RequestTooLarge(RequestRefused, code="too_large"):
+class RequestTooLarge(RequestRefused, code="too_large",
+                      hint="raise pool_size (or sender_quota) on the receiver, or send it "
+                           "in parts"):
     """A request that the pool could never hold, however long it waited."""
 
 
-class PoolFull(RequestRefused, code="pool_full"):
+class PoolFull(RequestRefused, code="pool_full",
+               hint="decode engines must release delivered requests; or raise the "
+                    "pool size"):
     """No room in a pool before the wait ran out."""
 
 
-class DuplicateRequest(RequestRefused, code="duplicate"):
+class DuplicateRequest(RequestRefused, code="duplicate",
+                       hint="request ids must be unique until their request is released"):
     """A request id already in use where it must be unique."""
 
 
-class RequestAborted(KvwireError, code="aborted"):
+class RequestAborted(KvwireError, code="aborted",
+                     hint="push it again; the other side's log says who aborted it and why"):
     """A request was aborted by either side, or its deadline passed."""
 
 
-class DeadlineExceeded(RequestAborted, TimeoutError, code="deadline"):
+class DeadlineExceeded(RequestAborted, TimeoutError, code="deadline",
+                       hint="raise the deadline, or push less at once"):
     """A request's deadline passed before it was delivered."""
 
 
-class UsageError(KvwireError, code="usage"):
+class UsageError(KvwireError, code="usage",
+                 hint="see the client's docstrings: open, then layer/commit in order, "
+                      "then finish"):
     """A client used the API out of order (commit after finish, ...)."""
 
 
-class DaemonUnavailable(KvwireError, code="unavailable"):
+class DaemonUnavailable(KvwireError, code="unavailable",
+                        hint="is the daemon running (systemctl status kvwired-*), and is "
+                             "this the socket in its config?"):
     """A local client could not reach its daemon."""
 
 
-class ExperimentFailed(KvwireError, code="experiment_failed"):
+class ExperimentFailed(KvwireError, code="experiment_failed",
+                       hint="the partial results are written; the daemons' logs say "
+                            "what stopped it"):
     """An experiment (kvctl run) could not finish; its partial results stand."""
 
 
-class PerftestFailed(ExperimentFailed, code="perftest_failed"):
+class PerftestFailed(ExperimentFailed, code="perftest_failed",
+                     hint="is perftest installed on both nodes (apt-get install "
+                          "perftest)?"):
     """The perftest baseline could not be run or read."""
 
 

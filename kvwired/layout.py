@@ -133,9 +133,22 @@ class KVLayout:
         return asdict(self)
 
 
-def resolve_chunk_bytes(spec: str | int, layout: KVLayout | None = None) -> int:
-    """A granularity name (for ``layout``) or an explicit size, in bytes."""
+def resolve_chunk_bytes(spec: str | int, layout: KVLayout | RequestShape | None = None) -> int:
+    """A granularity name or an explicit size, in bytes.
+
+    Names resolve against the request's own layout: a ``RequestShape`` knows
+    its layers (per-layer, whole) but not its tokens; with no layout at all
+    (a daemon's default chunk) they mean the reference Qwen2.5-0.5B cache.
+    """
     if isinstance(spec, str) and spec in GRANULARITIES:
+        if isinstance(layout, RequestShape):
+            if spec == "per-layer":
+                return layout.layer_bytes
+            if spec == "whole":
+                return layout.total_bytes
+            raise UsageError(
+                f"{spec!r} needs the request's tokens, which a RequestShape does not carry",
+                hint="open with a KVLayout, or give the chunk in bytes")
         return (layout or KVLayout()).granularity_bytes(spec)
     size = parse_size(spec)
     if size < 1:

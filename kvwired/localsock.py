@@ -12,6 +12,7 @@ import contextlib
 import os
 import socket
 import stat
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def send_with_fd(writer: asyncio.StreamWriter, msg: Message, fd: int) -> None:
 
 
 HELLO_TIMEOUT = 10.0
+CONNECT_PATIENCE = 10.0  # seconds a client retries a full backlog
+BACKLOG = 1024  # engines connecting at once (the kernel caps it at somaxconn)
 
 
 async def local_session(
@@ -87,7 +90,7 @@ async def serve_unix(path: str, handler: ClientHandler) -> asyncio.AbstractServe
                 hint="stop it first, or give this one another socket path",
             )
         target.unlink()
-    server = await asyncio.start_unix_server(handler, path)
+    server = await asyncio.start_unix_server(handler, path, backlog=BACKLOG)
     os.chmod(path, 0o660)
     return server
 
@@ -102,19 +105,42 @@ def accepts(path: str) -> bool:
         return True
 
 
+def _connect_through_a_burst(sock: socket.socket, path: str) -> None:
+    """Connect, retrying while the daemon's listen backlog is full.
+
+    A unix socket whose backlog is full refuses a connect with EAGAIN at once
+    (it does not wait as TCP would): a burst of engines starting together
+    can meet that. Retried with backoff up to CONNECT_PATIENCE seconds.
+    """
+    deadline = time.monotonic() + CONNECT_PATIENCE
+    pause = 0.005
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError as exc:
+            if time.monotonic() + pause > deadline:
+                raise DaemonUnavailable(
+                    f"the kvwire daemon at {path} did not accept a connection for "
+                    f"{CONNECT_PATIENCE:g} s: its backlog stayed full",
+                    hint="it is taking a burst of engines; retry, or start engines in "
+                         "smaller waves") from exc
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+        except OSError as exc:
+            raise DaemonUnavailable(
+                f"cannot reach the kvwire daemon at {path}: {exc.strerror or exc}",
+                hint="is the daemon running, and may this user open its socket?",
+            ) from exc
+
+
 def _handshake(path: str, role: str,
                schema: Schema) -> tuple[socket.socket, Message, int, FrameDecoder]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
         sock.settimeout(10)
-        try:
-            sock.connect(path)
-        except OSError as exc:
-            raise DaemonUnavailable(
-                f"cannot reach the kvwire daemon at {path}: {exc.strerror or exc}",
-                hint="is the daemon running, and may this user open its socket?",
-            ) from exc
+        _connect_through_a_burst(sock, path)
         sock.sendall(encode(message("hello", role=role)))
         decoder = FrameDecoder(schema)
         # The welcome's first bytes carry the pool fd; whatever follows it in

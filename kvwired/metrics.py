@@ -193,6 +193,18 @@ class Metrics:
         for outcome in ("delivered", "failed", "refused", "aborted"):
             self.requests.labels(peer, outcome)
 
+    def forget_peer(self, peer: str) -> None:
+        """Drop every series of a peer that is gone for good (removed from the
+        configuration), so a fleet that changes does not grow the page."""
+        for metric in (self.bytes, self.writes, self.post_seconds, self.wait_seconds,
+                       self.completion_errors, self.reconnects, self.requests,
+                       self.request_seconds):
+            for labels in list(metric._metrics):  # prometheus_client keeps no public list
+                if labels and labels[0] == peer:
+                    metric.remove(*labels)
+        self.write_sizes.counts.pop(peer, None)
+        self.write_sizes.sums.pop(peer, None)
+
     def set_pool(self, pool: str, size: int, used: int) -> None:
         self.pool_bytes.labels(pool, "used").set(used)
         self.pool_bytes.labels(pool, "free").set(size - used)

@@ -21,11 +21,15 @@ ROCE_V2 = "RoCE v2"
 MEMLOCK_SLACK = 16 << 20
 
 
-class MemlockTooLow(ConfigError, code="memlock"):
+class MemlockTooLow(ConfigError, code="memlock",
+                   hint="raise the locked-memory limit (LimitMEMLOCK=infinity in the unit, "
+                        "or ulimit -l)"):
     """RLIMIT_MEMLOCK is below what the pools must pin."""
 
 
-class NoRdmaPath(TransportError, code="no_rdma_path"):
+class NoRdmaPath(TransportError, code="no_rdma_path",
+                 hint="`kvctl probe --to PEER` shows the devices and GIDs; or use "
+                      "transport = \"tcp\""):
     """No usable device, port or GID for the address at hand."""
 
 

@@ -49,6 +49,7 @@ from .units import format_size
 log = structlog.get_logger("kvwired.receiver")
 
 HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.FREED)
+MAX_PEER_LABELS = 32
 
 
 def _address_of(writer: asyncio.StreamWriter) -> str:
@@ -105,6 +106,7 @@ class SenderSession:
 
     conn: ControlConnection
     name: str = "?"
+    label: str = "?"  # its name in metrics: bounded (see ReceiverDaemon._peer_label)
     responder: Responder | None = None
     leases: set[int] = field(default_factory=set)
     credits_to_return: int = 0
@@ -157,6 +159,7 @@ class ReceiverDaemon(Daemon):
         self._control_server: gate.Listener | None = None
         self._gate = Gate("control", self.metrics.auth_failures, config.handshake_timeout)
         self.quotas = SenderQuotas(self._quota_limit(config))
+        self._labels: set[str] = set()  # uncertified sender names given a label
         self.services = list(services)
         self._routes: dict[str, ReceiverService] = {}
         for service in self.services:
@@ -202,12 +205,15 @@ class ReceiverDaemon(Daemon):
         )
 
     def live_metrics(self) -> Iterator[LiveSample]:
+        posted: dict[str, int] = {}  # by label: "other" may stand for several
         for session in list(self.sessions):
-            posted = session.responder.receives_posted if session.responder else 0
+            posted[session.label] = posted.get(session.label, 0) + (
+                session.responder.receives_posted if session.responder else 0)
+        for label, count in posted.items():
             yield ("kvwire_receives_posted", "receives posted for a sender's immediates "
-                   "(verbs; 0 over tcp)", ["peer"], [session.name], float(posted))
+                   "(verbs; 0 over tcp)", ["peer"], [label], float(count))
             yield ("kvwire_peer_up", "1 while the sender's connections are up", ["peer"],
-                   [session.name], 1.0)
+                   [label], 1.0)
         # Every state that holds pool bytes, so used bytes always add up.
         counts: dict[LeaseState, int] = dict.fromkeys(HOLDING_STATES, 0)
         for lease in self.leases.values():
@@ -298,7 +304,7 @@ class ReceiverDaemon(Daemon):
             self._drop_session(session, exc if isinstance(exc, PeerLost) else
                                PeerLost(f"sender {session.name} dropped: {exc}"))
 
-        self.metrics.peer_seen(session.name)
+        self.metrics.peer_seen(session.label)
         self.sessions.add(session)
         self.metrics.peers.set(len(self.sessions))
         conn.start_pinging()
@@ -311,6 +317,7 @@ class ReceiverDaemon(Daemon):
             raise ProtocolError(f"expected a sender's hello, got {hello['t']!r}")
         self._authorize(conn, hello["name"], address)
         session.name = hello["name"]
+        session.label = self._peer_label(session.name)
         conn.label = f"sender {session.name}"
         if self.transport.name not in hello["transports"]:
             raise ProtocolError(
@@ -332,6 +339,18 @@ class ReceiverDaemon(Daemon):
         conn.send(message("ready", params=answer))
         log.info("sender connected", sender=session.name, peer=conn.peer_address,
                  authenticated=self.trust is not None)
+
+    def _peer_label(self, name: str) -> str:
+        """The peer label for a sender's metrics. Names are bounded when they
+        are certified or listed; a receiver that takes any name (auth = none
+        and no `senders`) labels at most MAX_PEER_LABELS of them, the rest
+        as "other", so made-up names cannot grow the metrics page."""
+        if self.trust is not None or self.config.senders or name in self._labels:
+            return name
+        if len(self._labels) >= MAX_PEER_LABELS:
+            return "other"
+        self._labels.add(name)
+        return name
 
     def _authorize(self, conn: ControlConnection, name: str, address: str) -> None:
         """The hello's name must be the certificate's, and one this receiver accepts."""
@@ -402,7 +421,7 @@ class ReceiverDaemon(Daemon):
         except (KvwireError, KeyError, TypeError, ValueError) as exc:
             error = exc if isinstance(exc, KvwireError) else ProtocolError(f"bad shape: {exc}")
             log.info("request refused", req=req, sender=session.name, reason=str(error))
-            self.metrics.requests.labels(session.name, "refused").inc()
+            self.metrics.requests.labels(session.label, "refused").inc()
             session.conn.send(message("refused", req=req, error=error.to_wire()))
             return
         responder = session.responder
@@ -481,7 +500,7 @@ class ReceiverDaemon(Daemon):
             return
         for n in range(lease.landed, layer + 1):
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
-        self.metrics.bytes.labels(session.name, "received").inc(
+        self.metrics.bytes.labels(session.label, "received").inc(
             (layer + 1 - lease.landed) * lease.shape.layer_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
@@ -497,9 +516,9 @@ class ReceiverDaemon(Daemon):
             return
         writes = responder.writes_received - session.writes_counted
         session.writes_counted += writes
-        self.metrics.writes.labels(session.name, "received", "write_imm").inc()
+        self.metrics.writes.labels(session.label, "received", "write_imm").inc()
         if writes > 1:
-            self.metrics.writes.labels(session.name, "received", "write").inc(writes - 1)
+            self.metrics.writes.labels(session.label, "received", "write").inc(writes - 1)
 
     def _return_credit(self, session: SenderSession) -> None:
         # Credits go back in one message per loop turn, not one per immediate.
@@ -521,8 +540,8 @@ class ReceiverDaemon(Daemon):
             return  # aborted while it was being checked
         lease.checksum = checksum
         elapsed = asyncio.get_running_loop().time() - lease.opened_at
-        self.metrics.requests.labels(lease.session.name, "delivered").inc()
-        self.metrics.request_seconds.labels(lease.session.name).observe(elapsed)
+        self.metrics.requests.labels(lease.session.label, "delivered").inc()
+        self.metrics.request_seconds.labels(lease.session.label).observe(elapsed)
         # Nobody consumes an experiment's request: it is freed at once.
         self._lease_event(lease, LeaseEvent.CHECKED_DISCARD if lease.discard
                           else LeaseEvent.CHECKED)
@@ -547,7 +566,7 @@ class ReceiverDaemon(Daemon):
         log.warning("data path failed", sender=session.name, error=str(exc))
         if session.alive:
             self.metrics.completion_errors.labels(
-                session.name, getattr(exc, "status", "transport_error")).inc()
+                session.label, getattr(exc, "status", "transport_error")).inc()
         session.conn.close()  # ends the session loop, which drops the session
 
     # --------------------------------------------------- lease bookkeeping
@@ -560,7 +579,7 @@ class ReceiverDaemon(Daemon):
         if lease.state is LeaseState.FREED and before is not LeaseState.FREED:
             outcome = lease.machine.outcome
             if outcome is Outcome.ABORTED and before is not LeaseState.ABORTING:
-                self.metrics.requests.labels(lease.session.name, "failed").inc()
+                self.metrics.requests.labels(lease.session.label, "failed").inc()
 
     def _carry_out(self, lease: Lease, action: LeaseAction) -> None:
         session = lease.session
@@ -570,7 +589,7 @@ class ReceiverDaemon(Daemon):
                 session.conn.send(message("delivered", req=lease.req, lease=lease.id,
                                           checksum=lease.checksum))
         elif action is LeaseAction.SEND_ABORT:
-            self.metrics.requests.labels(session.name, "aborted").inc()
+            self.metrics.requests.labels(session.label, "aborted").inc()
             if session.alive:
                 session.conn.send(message("abort", req=lease.req, lease=lease.id,
                                           error=error.to_wire()))

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvwired import localsock
 from kvwired.client import SenderClient
-from kvwired.errors import DeadlineExceeded, UsageError
+from kvwired.errors import DaemonUnavailable, DeadlineExceeded, UsageError
 from kvwired.layout import RequestShape
-from kvwired.protocol import Message, message
+from kvwired.protocol import SENDER_LOCAL, Message, message
+
+from .conftest import LocalDaemons
 
 
 def _client() -> tuple[SenderClient, list[Message]]:
@@ -81,3 +88,62 @@ async def test_a_deadline_that_is_no_number_of_seconds_is_a_usage_error(deadline
     with pytest.raises(UsageError, match="not a number of seconds"):
         await client.open("r", "decode", RequestShape(1, 4096), deadline=deadline)
     assert sent == []
+
+
+async def test_a_burst_of_engines_connecting_at_once_all_get_in(local: LocalDaemons) -> None:
+    def engine(_: int) -> str:
+        sock, welcome, fd, _decoder = localsock._handshake(local.sender_socket, "prefill",
+                                                           SENDER_LOCAL)
+        os.close(fd)
+        sock.close()
+        return str(welcome["t"])
+
+    def burst() -> set[str]:
+        with ThreadPoolExecutor(max_workers=300) as pool:
+            return set(pool.map(engine, range(300)))
+
+    assert await asyncio.to_thread(burst) == {"welcome"}
+
+
+def test_a_full_backlog_is_retried_then_named(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = str(tmp_path / "busy.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as busy:
+        busy.bind(path)
+        busy.listen(0)  # accepts nothing: the backlog fills at once
+        waiting = []
+        for _ in range(8):
+            queued = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            queued.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                queued.connect(path)
+            waiting.append(queued)
+        monkeypatch.setattr(localsock, "CONNECT_PATIENCE", 0.3)
+        with pytest.raises(DaemonUnavailable, match="backlog stayed full") as info:
+            localsock._handshake(path, "prefill", SENDER_LOCAL)
+        assert "is the daemon running" not in str(info.value)
+        for queued in waiting:
+            queued.close()
+
+
+def _writes_sent(local: LocalDaemons) -> float:
+    metric = local.sender.metrics.writes
+    return float(sum(metric.labels("decode", "sent", opcode)._value.get()
+                     for opcode in ("write", "write_imm")))
+
+
+async def test_named_granularities_follow_the_requests_own_layout(local: LocalDaemons) -> None:
+    async with await SenderClient.connect(local.sender_socket) as client:
+        before = _writes_sent(local)
+        await client.push_bytes("one-layer", "decode", b"L" * (3 << 20), chunk="per-layer")
+        assert _writes_sent(local) - before == 1  # its one 3 MiB layer, not 2 MiB pieces
+        shape = RequestShape(8, 256 << 10)
+        before = _writes_sent(local)
+        push = await client.open("eight-layers", "decode", shape, chunk="per-layer")
+        for n in range(shape.layers):
+            push.layer(n)[:] = bytes([n]) * shape.layer_bytes
+            push.commit(n)
+        await push.finish()
+        assert _writes_sent(local) - before == 8
+        with pytest.raises(UsageError, match="tokens"):
+            await client.open("no-tokens", "decode", shape, chunk="per-token")

@@ -256,6 +256,31 @@ async def test_sync_wrappers(local: LocalDaemons) -> None:
     assert data == b"\x01" * 8192 + b"\x02" * 8192
 
 
+async def test_sync_clients_do_what_the_async_ones_do(local: LocalDaemons) -> None:
+    """Events, subscribe, peers, discard, wait_sent, context managers."""
+    def scenario() -> list[str]:
+        with SyncSenderClient(local.sender_socket) as prefill, \
+                SyncReceiverClient(local.receiver_socket) as decode:
+            assert prefill.peers == ["decode"]
+            decode.subscribe("evented")
+            push = prefill.open("evented", "decode", RequestShape(2, 4096), chunk=4096)
+            for n in range(2):
+                push.layer(n)[:] = b"e" * 4096
+                push.commit(n)
+                push.wait_sent(n)
+            push.finish()
+            seen = [type(event).__name__ for event in decode.events("evented")]
+            decode.release("evented")
+            dropped = prefill.open("dropped", "decode", RequestShape(1, 4096), discard=True)
+            dropped.layer(0)[:] = b"d" * 4096
+            dropped.commit(0)
+            dropped.finish()
+            return seen
+
+    assert await asyncio.to_thread(scenario) == ["LayerLanded", "LayerLanded", "Delivered"]
+    await _until(lambda: local.receiver.pool.used_bytes == 0)  # the discarded one too
+
+
 async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not condition():

@@ -84,3 +84,10 @@ def test_generic_handlers_see_the_matching_built_ins() -> None:
 def test_an_unknown_code_becomes_the_root_class() -> None:
     error = from_wire({"code": "from-the-future", "message": "m"})
     assert type(error) is KvwireError and error.message == "m"
+
+
+@pytest.mark.parametrize("cls", EVERY_ERROR, ids=lambda cls: cls.__name__)
+def test_every_error_class_says_what_to_do(cls: type[KvwireError]) -> None:
+    error = cls("something went wrong")
+    assert error.hint, f"{cls.__name__} has no default hint (class ...(..., hint=\"...\"))"
+    assert from_wire(error.to_wire()).hint == error.hint

@@ -78,6 +78,13 @@ class Daemon:
         return code
 
 
+def _wait_for_log(daemon: Daemon, text: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in Path(daemon.log.name).read_text():
+        assert time.monotonic() < deadline, f"{text!r} not in the {daemon.role} log"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def daemons(tmp_path: Path) -> Iterator[dict[str, Daemon]]:
     started: dict[str, Daemon] = {}
@@ -136,9 +143,7 @@ def test_sigterm_finishes_the_push_in_flight_refuses_new_ones_and_exits_0(
     log = Path(sender.log.name).read_text()
     assert '"unfinished": 0' in log and '"event": "stopped"' in log
     # The receiver heard a goodbye, not a broken connection.
-    time.sleep(0.3)
-    receiver_log = Path(daemons["decode"].log.name).read_text()
-    assert "said goodbye: the sender is shutting down" in receiver_log
+    _wait_for_log(daemons["decode"], "said goodbye: the sender is shutting down")
 
 
 def test_sighup_adds_and_removes_peers_keeping_the_others(daemons: dict[str, Daemon],
@@ -172,9 +177,7 @@ def test_sighup_adds_and_removes_peers_keeping_the_others(daemons: dict[str, Dae
     with pytest.raises(UnknownPeer):
         asyncio.run(push("decode", "removed"))
     asyncio.run(push("decode2", "still-there"))
-    time.sleep(0.3)
-    receiver_log = Path(daemons["decode"].log.name).read_text()
-    assert "removed from the sender's configuration" in receiver_log
+    _wait_for_log(daemons["decode"], "removed from the sender's configuration")
 
 
 def test_notifier_does_nothing_outside_systemd() -> None:

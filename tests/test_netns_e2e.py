@@ -81,7 +81,7 @@ async def test_48mib_cache_arrives_byte_exact_at_every_granularity(
     clients: tuple[SenderClient, ReceiverClient], qwen_cache: np.ndarray, granularity: str
 ) -> None:
     prefill, decode = clients
-    record = await push_one(prefill, "decode", f"qwen-{granularity}", QWEN.shape(), qwen_cache,
+    record = await push_one(prefill, "decode", f"qwen-{granularity}", QWEN, qwen_cache,
                             chunk=granularity, receiver=decode)
     assert record.verified is True  # byte compare of the receive pool against the source
     assert record.checksum == zlib.crc32(qwen_cache.tobytes())
@@ -126,7 +126,7 @@ async def test_eight_concurrent_requests(start: Start) -> None:
     async with await SenderClient.connect(tx.socket) as prefill, \
             await ReceiverClient.connect(rx.socket) as decode:
         records = await asyncio.gather(*(
-            push_one(prefill, "decode", f"concurrent-{n}", QWEN.shape(), cache,
+            push_one(prefill, "decode", f"concurrent-{n}", QWEN, cache,
                      chunk="per-token", receiver=decode)
             for n, cache in enumerate(caches)))
     assert [r.verified for r in records] == [True] * 8
@@ -177,7 +177,7 @@ async def test_receiver_killed_mid_push_fails_fast_then_recovers(
         rx.process.wait()
 
         rx.start()  # the same receiver, restarted
-        record = await push_one(prefill, "decode", "after-restart", QWEN.shape(), qwen_cache,
+        record = await push_one(prefill, "decode", "after-restart", QWEN, qwen_cache,
                                 chunk="per-layer")
         assert record.checksum == zlib.crc32(qwen_cache.tobytes())
     assert tx.running
@@ -205,7 +205,7 @@ async def test_receiver_host_that_vanishes_silently_is_detected_by_heartbeat(
         finally:
             subprocess.run([*link, "up"], check=True)
         # The link is back: the next push reconnects and gets through.
-        record = await push_one(prefill, "decode", "link-back", QWEN.shape(), qwen_cache,
+        record = await push_one(prefill, "decode", "link-back", QWEN, qwen_cache,
                                 chunk="per-layer")
         assert record.checksum == zlib.crc32(qwen_cache.tobytes())
     assert rx.running and tx.running

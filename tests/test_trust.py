@@ -11,9 +11,11 @@ import os
 import ssl
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
+from prometheus_client import generate_latest
 
 from kvctl.keys import issue, local_cluster
 from kvwired.cli import build_daemon
@@ -21,6 +23,7 @@ from kvwired.client import ReceiverClient, SenderClient
 from kvwired.config import SenderConfig, build
 from kvwired.errors import AccessDenied, AuthenticationFailed, PoolFull
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.receiver import MAX_PEER_LABELS
 from kvwired.trust import Trust
 
 from .conftest import LocalDaemons, start_local, until
@@ -239,3 +242,42 @@ async def test_a_sender_dropped_from_senders_is_cut_off_on_reload(local: LocalDa
         with pytest.raises(AccessDenied, match="does not accept sender 'prefill'"):
             await client.push_bytes("unlisted", "decode", b"x" * 4096)
     assert local.receiver.pool.used_bytes == 0
+
+
+def _peer_labels(registry: Any) -> set[str]:
+    page = generate_latest(registry).decode()
+    return {line.split('peer="', 1)[1].split('"', 1)[0]
+            for line in page.splitlines() if 'peer="' in line}
+
+
+async def test_made_up_names_cannot_grow_the_metrics_page(tmp_path: Path) -> None:
+    local = await start_local(tmp_path, receiver={"auth": "none"}, sender={"auth": "none"})
+    try:
+        for n in range(MAX_PEER_LABELS + 20):
+            reader, writer = await asyncio.open_connection("127.0.0.1",
+                                                           local.receiver.control_port)
+            writer.write(encode(message("hello", role="sender", name=f"made-up-{n}",
+                                        transports=["tcp"])))
+            writer.write(encode(message("connect", params={})))
+            decoder = FrameDecoder(CONTROL)
+            while (msg := decoder.next_message()) is None or msg["t"] != "ready":
+                data = await asyncio.wait_for(reader.read(65536), 10)
+                assert data
+                decoder.feed(data)
+            writer.close()
+        labels = _peer_labels(local.receiver.metrics.registry)
+        assert len(labels) <= MAX_PEER_LABELS + 1 and "other" in labels
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_removed_peers_series_go_away(local: LocalDaemons) -> None:
+    address = f"127.0.0.1:{local.receiver.control_port}"
+    await _push_ok(local, "counted")
+    assert "decode" in _peer_labels(local.sender.metrics.registry)
+    local.sender.reload_peers({})
+    await until(lambda: "decode" not in _peer_labels(local.sender.metrics.registry),
+                what="the removed peer's series gone")
+    local.sender.reload_peers({"decode": address})
+    await _push_ok(local, "back")

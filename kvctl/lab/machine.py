@@ -45,7 +45,9 @@ FORWARDED = {"agent": AGENT_PORT, "control": 7471, "metrics_receiver": 9471,
              "metrics_sender": 9472}
 
 
-class LabError(KvwireError, code="lab"):
+class LabError(KvwireError, code="lab",
+               hint="`kvctl lab status` shows the nodes; their consoles are in "
+                    "/var/tmp/kvwire-lab"):
     """The QEMU lab could not be brought up, reached or taken down."""
 
 

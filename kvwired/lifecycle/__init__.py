@@ -24,7 +24,9 @@ E = TypeVar("E", bound=Enum)
 A = TypeVar("A", bound=Enum)
 
 
-class IllegalTransition(ProtocolError, code="illegal_transition"):
+class IllegalTransition(ProtocolError, code="illegal_transition",
+                        hint="a message arrived that this request's state does not allow; "
+                             "this is a bug in one of the two daemons"):
     """An event that the protocol does not allow in the state it came in."""
 
 

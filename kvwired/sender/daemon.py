@@ -159,6 +159,8 @@ class SenderDaemon(Daemon):
         while link.holders:
             await asyncio.sleep(RETIRE_POLL)
         link.finish_retiring()
+        if link.name not in self.links:  # removed, not re-added under its name
+            self.metrics.forget_peer(link.name)
 
     # ------------------------------------------- the surface others build on
 
