@@ -52,11 +52,6 @@ HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.
 MAX_PEER_LABELS = 32
 
 
-def _address_of(writer: asyncio.StreamWriter) -> str:
-    peer = writer.get_extra_info("peername")
-    return f"{peer[0]}:{peer[1]}" if peer else "?"
-
-
 class Consumer:
     """A decode engine on the unix socket."""
 
@@ -272,8 +267,8 @@ class ReceiverDaemon(Daemon):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         """A sender's control connection, TLS done (``gate.serve``)."""
-        address = _address_of(writer)
         conn = ControlConnection(reader, writer, self.config.heartbeat, "sender")
+        address = conn.peer_address
         session = SenderSession(conn)
         try:
             # Nothing is leased, and no key disclosed, until this ends.

@@ -60,8 +60,8 @@ class Pair:
 
     responder: Responder | None = None
 
-    async def connect(self, tamper: Callable[[dict[str, Any]], None] | None = None,
-                      per_lease_keys: bool = False) -> DataChannel:
+    async def start(self, per_lease_keys: bool = False) -> tuple[Transport, Transport]:
+        """An initiator's and a responder's transport, started on their memories."""
         src = make_transport(TransportOptions(name=self.name))
         dst = make_transport(TransportOptions(name=self.name, listen_host=self.host,
                                               listen_at_start=True, receive_depth=256,
@@ -69,13 +69,24 @@ class Pair:
         self.transports += [src, dst]
         await src.start(self.src_memory)
         await dst.start(self.dst_memory)
+        return src, dst
+
+    async def session(self, src: Transport, dst: Transport,
+                      tamper: Callable[[dict[str, Any]], None] | None = None
+                      ) -> tuple[DataChannel, Responder]:
+        """One connection between them, through the daemons' offer/answer exchange."""
         responder = dst.responder(self.host, self.immediates.append, self.errors.append)
-        self.responder = responder
         initiator = src.initiator(self.host)
         answer = await responder.accept(await initiator.offer())
         if tamper is not None:
             tamper(answer)
-        return await initiator.complete(answer)
+        return await initiator.complete(answer), responder
+
+    async def connect(self, tamper: Callable[[dict[str, Any]], None] | None = None,
+                      per_lease_keys: bool = False) -> DataChannel:
+        channel, self.responder = await self.session(*await self.start(per_lease_keys),
+                                                     tamper)
+        return channel
 
     async def revoke(self, key: int) -> None:
         assert self.responder is not None
@@ -246,19 +257,11 @@ async def test_lease_keys_are_fresh_across_grants_of_one_range(pair: Pair) -> No
 async def test_a_lease_key_answers_only_to_its_own_connection(pair: Pair) -> None:
     """Two initiators of one responder transport (two sessions): a key granted
     to one is refused on the other's connection, as a leaked key would be."""
-    src = make_transport(TransportOptions(name=pair.name))
-    dst = make_transport(TransportOptions(name=pair.name, listen_host=pair.host,
-                                          listen_at_start=True, receive_depth=16,
-                                          per_lease_keys=True))
-    pair.transports += [src, dst]
-    await src.start(pair.src_memory)
-    await dst.start(pair.dst_memory)
+    src, dst = await pair.start(per_lease_keys=True)
     channels, responders = [], []
     for _ in range(2):
-        responder = dst.responder(pair.host, pair.immediates.append, pair.errors.append)
-        initiator = src.initiator(pair.host)
-        channels.append(await initiator.complete(await responder.accept(
-            await initiator.offer())))
+        channel, responder = await pair.session(src, dst)
+        channels.append(channel)
         responders.append(responder)
     mine = await responders[0].grant(0, 4096)
     pair.src_memory.view[:64] = b"O" * 64
