@@ -10,8 +10,8 @@ import sys
 import uuid
 
 from kvwired.client import (
-    DEFAULT_RECEIVER_SOCKET,
-    DEFAULT_SENDER_SOCKET,
+    RECEIVER_SOCKET_VARIABLE,
+    SENDER_SOCKET_VARIABLE,
     ReceiverClient,
     SenderClient,
 )
@@ -26,8 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     push = commands.add_parser("push", help="push a KV cache through the local sender daemon")
-    push.add_argument("--peer", required=True, help="receiver name, as in the sender's [peers]")
-    push.add_argument("--socket", default=DEFAULT_SENDER_SOCKET, help="sender daemon socket")
+    push.add_argument("--peer", help="receiver name, as in the sender's [peers] (default: the "
+                      "sender's only one)")
+    push.add_argument("--socket", help=f"sender daemon socket (default: ${SENDER_SOCKET_VARIABLE}"
+                      ", else /run/kvwire/sender.sock)")
     push.add_argument("--file", help=".npy (first axis: layers) or .safetensors (one tensor a "
                       "layer); default: a synthetic cache of the --layers.. shape")
     _layout_flags(push)
@@ -37,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--count", type=int, default=1, help="pushes per chunk size")
     push.add_argument("--concurrency", type=int, default=1, help="pushes in flight at once")
     push.add_argument("--deadline", type=float, help="seconds each push may take")
-    push.add_argument("--verify-socket", nargs="?", const=DEFAULT_RECEIVER_SOCKET,
-                      help="receiver daemon socket on this machine: check every byte there "
-                      "and time the first layer")
+    push.add_argument("--verify-socket", nargs="?", const="",
+                      help="receiver daemon socket on this machine (default: "
+                      f"${RECEIVER_SOCKET_VARIABLE}, else /run/kvwire/receiver.sock): check "
+                      "every byte there and time the first layer")
     push.add_argument("--seed", type=int, default=0,
                       help="seed of the synthetic cache (kvctl consume --expect-seed checks it)")
     push.add_argument("--req", help="request id (with --count: ID-0, ID-1, ...); default: "
@@ -49,15 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     consume = commands.add_parser("consume", help="stand in for a decode engine: wait for "
                                   "requests, check them, release them")
     consume.add_argument("requests", nargs="+", metavar="REQ")
-    consume.add_argument("--socket", default=DEFAULT_RECEIVER_SOCKET,
-                         help="receiver daemon socket")
-    consume.add_argument("--expect-seed", type=int,
-                         help="compare every byte with kvctl push's synthetic cache of this "
-                         "seed (and the --layers.. shape)")
+    consume.add_argument("--socket", help=f"receiver daemon socket (default: "
+                         f"${RECEIVER_SOCKET_VARIABLE}, else /run/kvwire/receiver.sock)")
+    expected = consume.add_mutually_exclusive_group()
+    expected.add_argument("--expect-seed", type=int,
+                          help="compare every byte with kvctl push's synthetic cache of this "
+                          "seed (and the --layers.. shape)")
+    expected.add_argument("--file", help="compare every byte with this .npy or .safetensors, "
+                          "as kvctl push --file sends it")
     _layout_flags(consume)
-    consume.add_argument("--timeout", type=float, default=120.0)
+    consume.add_argument("--timeout", type=float, default=120.0,
+                         help="seconds to wait for every request")
     consume.add_argument("--keep", action="store_true", help="do not release")
-    consume.add_argument("--json", action="store_true")
+    consume.add_argument("--json", action="store_true", help="one JSON object per request")
 
     status = commands.add_parser("status", help="health and key figures of daemons")
     status.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
@@ -76,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .keys import add_parser as add_keys_parser
     from .lab.cli import add_parser as add_lab_parser
+    from .netns_session import add_parser as add_netns_parser
     from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
 
@@ -83,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_parser(commands)
     add_lab_parser(commands)
     add_keys_parser(commands)
+    add_netns_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns"],
@@ -134,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             from .lab.cli import main as lab_main
 
             return lab_main(args)
+        if args.command == "netns":
+            from .netns_session import main as netns_main
+
+            return netns_main(args)
         if args.command == "demo":
             if args.where == "lab":
                 from .lab.demo import lab_demo
@@ -165,7 +178,8 @@ async def _push(args: argparse.Namespace) -> int:
         layout = _layout(args)
         shape, data = layout.shape(), synthetic(layout, args.seed)
     sender = await SenderClient.connect(args.socket)
-    receiver = await ReceiverClient.connect(args.verify_socket) if args.verify_socket else None
+    receiver = (None if args.verify_socket is None
+                else await ReceiverClient.connect(args.verify_socket or None))
     records: list[PushRecord] = []
     run = uuid.uuid4().hex[:8]
     limit = asyncio.Semaphore(max(1, args.concurrency))
@@ -201,9 +215,13 @@ async def _push(args: argparse.Namespace) -> int:
 
 async def _consume(args: argparse.Namespace) -> int:
     from .consume import consume
-    from .source import synthetic
+    from .source import from_file, synthetic
 
-    expected = None if args.expect_seed is None else synthetic(_layout(args), args.expect_seed)
+    expected = None
+    if args.file:
+        expected = from_file(args.file)[1]
+    elif args.expect_seed is not None:
+        expected = synthetic(_layout(args), args.expect_seed)
     records = await consume(args.socket, args.requests, expected, args.timeout, args.keep)
     if args.json:
         for record in records:

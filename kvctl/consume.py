@@ -1,8 +1,9 @@
 """``kvctl consume``: a stand-in decode engine on the receiver's node.
 
 It subscribes to requests, times their layers as they land, checks what
-arrived (the receiver's checksum; with ``--expect-seed``, every byte against
-the synthetic cache ``kvctl push --seed`` sends), and releases them.
+arrived (the receiver's checksum; with ``--file`` or ``--expect-seed``,
+every byte against the file or the synthetic cache ``kvctl push`` sent),
+and releases them.
 """
 
 from __future__ import annotations

@@ -132,12 +132,15 @@ class DaemonProcess:
         self.log_path = workdir / f"{role}.log"
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout: float = 20.0) -> DaemonProcess:
+    def start(self, timeout: float = 20.0, detach: bool = False) -> DaemonProcess:
+        """Start it; returns once its socket accepts. ``detach``: in a session of
+        its own, to outlive the caller (``kvctl netns up``)."""
         write_toml(self.config_path, self.config)
         command = [sys.executable, "-m", "kvwired", self.role, "--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.pair.argv(self.host, command), stdout=log,
-                                            stderr=subprocess.STDOUT)
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=detach)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -157,6 +160,11 @@ class DaemonProcess:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None, "not started"
+        return self.process.pid
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if self.process is None:

@@ -57,7 +57,7 @@ HEADERS = ["request", "chunk", "writes", "total ms", "Gb/s", "first layer ms", "
 
 async def push_one(
     sender: SenderClient,
-    peer: str,
+    peer: str | None,
     req: str,
     layout: RequestShape | KVLayout,
     data: np.ndarray,

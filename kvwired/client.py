@@ -30,6 +30,10 @@ from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
 DEFAULT_RECEIVER_SOCKET = "/run/kvwire/receiver.sock"
+# Where an engine finds its daemon when it names no socket: these variables,
+# then the paths the shipped units use.
+SENDER_SOCKET_VARIABLE = "KVWIRE_SENDER_SOCKET"
+RECEIVER_SOCKET_VARIABLE = "KVWIRE_RECEIVER_SOCKET"
 T = TypeVar("T")
 C = TypeVar("C", bound="_LocalClient")
 
@@ -269,16 +273,19 @@ class SenderClient(_LocalClient):
         self._runs: dict[str, _Run] = {}
 
     @classmethod
-    async def connect(cls, path: str = DEFAULT_SENDER_SOCKET) -> SenderClient:
-        client = cls(path)
+    async def connect(cls, path: str | None = None) -> SenderClient:
+        """Connect to the sender daemon at ``path``; by default the socket named
+        by ``$KVWIRE_SENDER_SOCKET``, else ``/run/kvwire/sender.sock``."""
+        client = cls(path or os.environ.get(SENDER_SOCKET_VARIABLE) or DEFAULT_SENDER_SOCKET)
         await client.conn.open(map_pool=False)
         return client
 
-    async def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
+    async def open(self, req: str, peer: str | None, shape: RequestShape | KVLayout, *,
                    chunk: str | int | None = None,
                    deadline: float | None = None,
                    discard: bool = False) -> OutgoingPush:
-        """Open a push of request ``req`` to receiver ``peer``.
+        """Open a push of request ``req`` to receiver ``peer`` (None: the
+        sender's only receiver; an error names them when it has several).
 
         ``discard``: the receiver frees the request as soon as it is delivered
         instead of holding it for a decode engine (benchmarks, warm-up).
@@ -287,7 +294,8 @@ class SenderClient(_LocalClient):
         request_shape = shape.shape() if isinstance(shape, KVLayout) else shape
         if req in self._opening or req in self._pushes:
             raise UsageError(f"request {req} is already open on this client")
-        fields: dict[str, Any] = {"req": req, "peer": peer, "shape": request_shape.to_wire()}
+        fields: dict[str, Any] = {"req": req, "peer": peer or self.only_peer(),
+                                  "shape": request_shape.to_wire()}
         if chunk is not None:
             fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout or request_shape)
         if deadline is not None:
@@ -313,7 +321,7 @@ class SenderClient(_LocalClient):
         finally:
             self._opening.pop(req, None)
 
-    async def push_bytes(self, req: str, peer: str, data: bytes | memoryview, *,
+    async def push_bytes(self, req: str, peer: str | None, data: bytes | memoryview, *,
                          chunk: str | int | None = None,
                          deadline: float | None = None) -> PushResult:
         """Push a byte string as a one-layer request (one copy, into staging)."""
@@ -332,8 +340,9 @@ class SenderClient(_LocalClient):
         """The one configured receiver; an error naming them when there are several."""
         if len(self.peers) != 1:
             raise UsageError(
-                f"the sender daemon has {len(self.peers)} receivers configured",
-                hint=f"name one with --peer: {', '.join(self.peers) or 'none configured'}")
+                f"the sender daemon has {len(self.peers)} receivers configured, so a push "
+                "must name one",
+                hint=f"name one of: {', '.join(self.peers) or 'none (add one under [peers])'}")
         return self.peers[0]
 
     async def run(self, experiment: str, params: dict[str, Any],
@@ -411,8 +420,11 @@ class ReceiverClient(_LocalClient):
         self._released: dict[str, asyncio.Future[None]] = {}
 
     @classmethod
-    async def connect(cls, path: str = DEFAULT_RECEIVER_SOCKET) -> ReceiverClient:
-        client = cls(path)
+    async def connect(cls, path: str | None = None) -> ReceiverClient:
+        """Connect to the receiver daemon at ``path``; by default the socket named
+        by ``$KVWIRE_RECEIVER_SOCKET``, else ``/run/kvwire/receiver.sock``."""
+        client = cls(path or os.environ.get(RECEIVER_SOCKET_VARIABLE)
+                     or DEFAULT_RECEIVER_SOCKET)
         await client.conn.open(map_pool=True)
         return client
 
@@ -556,17 +568,17 @@ class _SyncClient(Generic[C]):
 
 
 class SyncSenderClient(_SyncClient[SenderClient]):
-    def __init__(self, path: str = DEFAULT_SENDER_SOCKET) -> None:
+    def __init__(self, path: str | None = None) -> None:
         super().__init__(lambda: SenderClient.connect(path))
 
-    def open(self, req: str, peer: str, shape: RequestShape | KVLayout, *,
+    def open(self, req: str, peer: str | None, shape: RequestShape | KVLayout, *,
              chunk: str | int | None = None, deadline: float | None = None,
              discard: bool = False) -> SyncPush:
         push = self._runner.run(self._client.open(req, peer, shape, chunk=chunk,
                                                   deadline=deadline, discard=discard))
         return SyncPush(self._runner, push)
 
-    def push_bytes(self, req: str, peer: str, data: bytes, **kwargs: Any) -> PushResult:
+    def push_bytes(self, req: str, peer: str | None, data: bytes, **kwargs: Any) -> PushResult:
         return self._runner.run(self._client.push_bytes(req, peer, data, **kwargs))
 
     @property
@@ -575,7 +587,7 @@ class SyncSenderClient(_SyncClient[SenderClient]):
 
 
 class SyncReceiverClient(_SyncClient[ReceiverClient]):
-    def __init__(self, path: str = DEFAULT_RECEIVER_SOCKET) -> None:
+    def __init__(self, path: str | None = None) -> None:
         super().__init__(lambda: ReceiverClient.connect(path))
 
     def subscribe(self, req: str) -> None:

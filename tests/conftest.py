@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,20 @@ from kvwired.config import ReceiverConfig, SenderConfig, build
 from kvwired.receiver import ReceiverDaemon
 from kvwired.sender import SenderDaemon
 from kvwired.trust import Trust
+
+from .leftovers import MARK, reap_leftovers
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(MARK, uuid.uuid4().hex)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = reap_leftovers(os.environ[MARK])
+    if left:
+        listing = "\n".join(f"  {pid}: {command}" for pid, command in sorted(left.items()))
+        print(f"\nthe run left {len(left)} process(es) behind (now killed):\n{listing}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @dataclass

@@ -27,7 +27,7 @@ from kvwired.errors import (
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 
-from .conftest import LocalDaemons, start_local
+from .conftest import LocalDaemons, start_local, until
 
 
 async def _control(local: LocalDaemons, name: str = "rogue"
@@ -141,7 +141,7 @@ async def test_deadline_aborts_and_frees_both_pools(local: LocalDaemons) -> None
         push.commit(0)  # ... and never the rest
         with pytest.raises(DeadlineExceeded):
             await asyncio.wait_for(push._result, 5)
-    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
     assert local.sender.staging is not None and local.sender.staging.used_bytes == 0
 
 
@@ -158,7 +158,7 @@ async def test_lease_granted_after_the_sender_gave_up_is_returned(
         # Room appears while the receiver still holds the abandoned open
         # (lease_wait 0.5 s): the lease it grants must come straight back.
         await consumer.release("hog")
-    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
     assert not local.receiver.by_req
 
 
@@ -171,7 +171,7 @@ async def test_engine_abort_and_disconnect_free_the_receiver_slot(local: LocalDa
         await asyncio.wait_for(push._result, 5)
     await client.open("b", "decode", RequestShape(2, 1 << 20))
     await client.close()  # the engine goes away mid-request
-    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
     await _push_ok(local, "after-aborts")
 
 
@@ -188,7 +188,7 @@ async def test_release_before_delivery_aborts_the_push_with_the_reason(
         await consumer.release("early")
         with pytest.raises(RequestAborted, match="released request early before"):
             await asyncio.wait_for(push._result, 5)
-    await _until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
 
 
 async def test_full_staging_pool_waits_then_says_so(tmp_path: Path) -> None:
@@ -278,14 +278,7 @@ async def test_sync_clients_do_what_the_async_ones_do(local: LocalDaemons) -> No
             return seen
 
     assert await asyncio.to_thread(scenario) == ["LayerLanded", "LayerLanded", "Delivered"]
-    await _until(lambda: local.receiver.pool.used_bytes == 0)  # the discarded one too
-
-
-async def _until(condition, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+    await until(lambda: local.receiver.pool.used_bytes == 0)  # the discarded one too
 
 
 async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:

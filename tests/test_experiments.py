@@ -17,7 +17,7 @@ from kvwired.client import SenderClient
 from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, start_local
+from .conftest import LocalDaemons, start_local, until
 
 SIZES = [512, 8192, 65536]
 FAST = {"sizes": SIZES, "iters": 40, "stream_bytes": "1MiB", "deliver": True}
@@ -66,9 +66,9 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     assert summary["peak_gbps"] == max(row["stream_gbps"] for row in run.rows)
     assert "latency 512 B" in phases and "stream 64 KiB" in phases
     # Everything it leased is back: the echo slot, the discarded deliveries.
-    await asyncio.sleep(0.05)
-    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
-    assert roomy.sender.staging is not None and roomy.sender.staging.used_bytes == 0
+    assert roomy.receiver.pool is not None and roomy.sender.staging is not None
+    await until(lambda: roomy.receiver.pool.used_bytes == 0, what="the receive pool empty")
+    await until(lambda: roomy.sender.staging.used_bytes == 0, what="the staging empty")
     assert not roomy.receiver.leases
     assert all(not getattr(service, "echoes", {}) for service in roomy.receiver.services)
     text = chunk_sweep.render(run)
@@ -166,8 +166,8 @@ async def test_overlap_speeds_up_once_compute_is_there(roomy: LocalDaemons,
     for png in ("overlap-speedup.png", "overlap-bandwidth.png"):
         assert (tmp_path / "ovl" / png).read_bytes().startswith(PNG_MAGIC)
     assert "ridge point" in overlap.render(run)
-    await asyncio.sleep(0.05)
-    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
+    assert roomy.receiver.pool is not None
+    await until(lambda: roomy.receiver.pool.used_bytes == 0, what="the receive pool empty")
 
 
 async def test_sent_events_follow_each_layer(roomy: LocalDaemons) -> None:
@@ -181,6 +181,6 @@ async def test_sent_events_follow_each_layer(roomy: LocalDaemons) -> None:
             assert push.sent_layers == layer + 1
         result = await push.finish()
     assert result.bytes == 4 * 4096
-    await asyncio.sleep(0.05)
     # discard: nobody had to release it.
-    assert roomy.receiver.pool is not None and roomy.receiver.pool.used_bytes == 0
+    assert roomy.receiver.pool is not None
+    await until(lambda: roomy.receiver.pool.used_bytes == 0, what="the receive pool empty")

@@ -281,6 +281,38 @@ def _kvctl(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvctl", *args]
 
 
+def test_kvctl_consume_compares_every_byte_of_a_file_push(start: Start,
+                                                          tmp_path: Path) -> None:
+    rx, tx = start()
+    cache = np.random.default_rng(7).standard_normal((6, 512, 128)).astype(np.float16)
+    np.save(tmp_path / "kv.npy", cache)
+    one_bit_off = cache.copy()
+    one_bit_off.view(np.uint16)[5, 511, 127] ^= 1  # the very last byte differs
+    np.save(tmp_path / "other.npy", one_bit_off)
+    for req in ("file-a", "file-b"):
+        pushed = subprocess.run(_kvctl("push", "--socket", tx.socket, "--file",
+                                       str(tmp_path / "kv.npy"), "--req", req, "--chunk",
+                                       "per-layer", "--json"),
+                                capture_output=True, text=True, timeout=120)
+        assert pushed.returncode == 0, pushed.stderr
+        assert json.loads(pushed.stdout)["chunk_bytes"] == 512 * 128 * 2  # its own layers
+
+    def consume(req: str, file: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(_kvctl("consume", req, "--socket", rx.socket, "--file",
+                                     str(tmp_path / file), "--json", "--timeout", "30"),
+                              capture_output=True, text=True, timeout=60)
+
+    same = consume("file-a", "kv.npy")
+    assert same.returncode == 0, same.stderr
+    record = json.loads(same.stdout)
+    assert record["bytes_ok"] is True and record["checksum_ok"] is True
+    assert record["bytes"] == cache.nbytes and record["layers"] == 6
+    differs = consume("file-b", "other.npy")
+    assert differs.returncode == 1
+    assert json.loads(differs.stdout)["bytes_ok"] is False
+    assert "file-b did not arrive intact" in differs.stderr
+
+
 def test_kvctl_experiments_between_the_hosts(start: Start, pair: NetnsPair,
                                              tmp_path: Path) -> None:
     _, tx = start()

@@ -57,7 +57,8 @@ async def test_reserve_waits_for_room_then_reports_pool_full() -> None:
         await pool.reserve(2 * PAGE, wait=0.1)
     assert info.value.hint == "release something"
     waiter = asyncio.create_task(pool.reserve(2 * PAGE, wait=5))
-    await asyncio.sleep(0.05)
+    for _ in range(3):  # let it run until it waits for room
+        await asyncio.sleep(0)
     assert not waiter.done()
     pool.release(first)
     second = await asyncio.wait_for(waiter, 1)

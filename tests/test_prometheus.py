@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,8 @@ from kvwired.errors import KvwireError
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy/prometheus/kvwire-rules.yml"
 DASHBOARD = ROOT / "deploy/grafana/kvwire-dashboard.json"
+# The receiver is killed and restarted, and a request is refused.
+EXPECTED_FIRING = {"KvwireCompletionErrors", "KvwireRestarted", "KvwireRequestsRefused"}
 COMPARISON = re.compile(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.]+\s*$")
 
 
@@ -127,7 +129,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         for port in ("rx_metrics", "tx_metrics", "prom"):
             _wait_http(f"http://127.0.0.1:{ports[port]}/metrics")
         _wait_scraped(ports["prom"])  # the idle state is on record before any work
-        _work_and_fail(tmp / "tx.sock", receiver)
+        _work_and_fail(ports["prom"], tmp / "tx.sock", receiver)
         yield {"port": ports["prom"], "tmp": tmp}
     finally:
         for process in reversed(started):
@@ -145,15 +147,32 @@ def _wait_scraped(port: int, timeout: float = 60) -> None:
         time.sleep(0.5)
 
 
-def _work_and_fail(sender_socket: Path, receiver: Process) -> None:
+def _eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
+    """Poll ``check`` (a Prometheus query, say) until it holds: never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
+        time.sleep(0.2)
+
+
+def _value(port: int, expr: str) -> float:
+    result = _query(port, expr)
+    return sum(float(sample["value"][1]) for sample in result)
+
+
+def _work_and_fail(prom: int, sender_socket: Path, receiver: Process) -> None:
     """Pushes of several sizes over a few scrapes, a refusal, a receiver crash."""
+    delivered = 'kvwire_requests_total{job="kvwire-sender",outcome="delivered"}'
 
     async def pushes() -> None:
         async with await SenderClient.connect(str(sender_socket)) as client:
             for n in range(12):
                 await client.push_bytes(f"ok-{n}", "decode", os.urandom(2 << 20),
                                         chunk=[512 << 4, 65536, 1 << 20][n % 3])
-                await asyncio.sleep(0.4)
+                if n % 3 == 2:  # spread over scrapes: rates need more than one sample
+                    def scraped(pushed: int = n + 1) -> bool:
+                        return _value(prom, delivered) >= pushed
+                    await asyncio.to_thread(_eventually, scraped, "Prometheus scraping pushes")
             with pytest.raises(KvwireError):  # larger than the 32 MiB receive pool
                 await client.push_bytes("too-big", "decode", bytes(48 << 20))
 
@@ -162,9 +181,12 @@ def _work_and_fail(sender_socket: Path, receiver: Process) -> None:
             await client.push_bytes(req, "decode", b"z" * 65536)
 
     asyncio.run(pushes())
-    time.sleep(2)  # scraped while healthy
+    _eventually(lambda: _value(prom, 'kvwire_requests_total{outcome="refused"}') > 0,
+                "the refusal scraped while healthy")
     receiver.kill()  # the data connection drops: a completion error, peer down
-    time.sleep(3)
+    _eventually(lambda: bool(_query(prom, 'up{job="kvwire-receiver"} == 0'))
+                and _value(prom, "kvwire_completion_errors_total") > 0,
+                "the crash scraped")
     receiver.start()  # a restart: new process start time, the sender reconnects
     deadline = time.monotonic() + 30
     while True:
@@ -174,7 +196,18 @@ def _work_and_fail(sender_socket: Path, receiver: Process) -> None:
         except KvwireError:
             assert time.monotonic() < deadline, "sender never reconnected"
             time.sleep(0.5)
-    time.sleep(4)  # a few more scrapes and rule evaluations
+    # What the tests below ask of Prometheus, awaited here once: every query
+    # has data and the crash's alerts fire.
+    queries = [expr for _, expr in _dashboard_queries()] + [
+        COMPARISON.sub("", rule["expr"]) for rule in _alert_rules()]
+    _eventually(lambda: all(_query(prom, expr) for expr in queries),
+                "every dashboard and alert query returning data")
+    _eventually(lambda: _firing(prom) >= EXPECTED_FIRING, "the crash's alerts firing")
+
+
+def _firing(port: int) -> set[str]:
+    return {alert["labels"]["alertname"] for alert in _api(port, "alerts")["alerts"]
+            if alert["state"] == "firing"}
 
 
 def _dashboard_queries() -> list[tuple[str, str]]:
@@ -221,7 +254,5 @@ def test_rules_evaluate_and_the_crash_fires_its_alerts(stack: dict[str, Any]) ->
     rules = [rule for group in groups for rule in group["rules"]]
     assert len(rules) == len(_alert_rules())
     assert all(rule["health"] == "ok" for rule in rules), rules
-    firing = {alert["labels"]["alertname"] for alert in _api(stack["port"], "alerts")["alerts"]
-              if alert["state"] == "firing"}
     # The receiver was killed and restarted, and a request was refused.
-    assert {"KvwireCompletionErrors", "KvwireRestarted", "KvwireRequestsRefused"} <= firing
+    assert _firing(stack["port"]) >= EXPECTED_FIRING

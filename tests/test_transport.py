@@ -23,6 +23,8 @@ from kvwired.rdma import ROCE_V2, gid_table, rdma_available
 from kvwired.transport import TransportOptions, make_transport
 from kvwired.transport.base import DataChannel, Responder, Transport, Write
 
+from .conftest import until
+
 SIZE = 8 << 20
 
 
@@ -118,14 +120,6 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
     await p.close()
 
 
-async def _until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.parametrize("chunk", [512, 12288, 100_000, 2 << 20])
 async def test_writes_land_byte_exact_at_remote_offsets(pair: Pair, chunk: int) -> None:
     channel = await pair.connect()
@@ -137,7 +131,7 @@ async def test_writes_land_byte_exact_at_remote_offsets(pair: Pair, chunk: int) 
     await asyncio.wait_for(channel.post(writes, imm=42), 30)
     # The completion means placed: the bytes are there now, not eventually.
     assert pair.dst_memory.view[remote_base : remote_base + len(payload)] == payload
-    await _until(lambda: pair.immediates == [42])
+    await until(lambda: pair.immediates == [42])
     channel.close()
 
 
@@ -145,7 +139,7 @@ async def test_posts_complete_in_order_with_their_immediates(pair: Pair) -> None
     channel = await pair.connect()
     futures = [channel.post([Write(i * 1024, i * 1024, 1024)], imm=i) for i in range(200)]
     await asyncio.wait_for(asyncio.gather(*futures), 30)
-    await _until(lambda: len(pair.immediates) == 200)
+    await until(lambda: len(pair.immediates) == 200)
     assert pair.immediates == list(range(200))
     channel.close()
 
@@ -172,7 +166,7 @@ async def test_write_outside_the_region_fails_and_lands_nothing(pair: Pair) -> N
         # The responder checks bounds itself (an RNIC does it in hardware, and
         # verbs refuses the post before it reaches the wire): it fails its end
         # too, and the initiator's channel dies with it.
-        await _until(lambda: bool(pair.errors))
+        await until(lambda: bool(pair.errors))
         assert "outside" in str(pair.errors[0])
         assert not channel.alive
 

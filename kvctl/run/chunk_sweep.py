@@ -42,7 +42,8 @@ class SweepRun:
                 "summary": self.summary, "ratios": ratios(self.rows), "rows": self.rows}
 
 
-async def run_sweep(socket: str, params: dict[str, Any], progress: PhaseProgress) -> SweepRun:
+async def run_sweep(socket: str | None, params: dict[str, Any],
+                    progress: PhaseProgress) -> SweepRun:
     run = SweepRun(params)
 
     def on_message(msg: Message) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvwired.client import DEFAULT_SENDER_SOCKET, SenderClient
+from kvwired.client import SENDER_SOCKET_VARIABLE, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.units import parse_seconds, parse_size
 
@@ -53,7 +53,8 @@ def add_parsers(commands: Any) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", help="receiver name (default: the sender's only one)")
-    parser.add_argument("--socket", default=DEFAULT_SENDER_SOCKET, help="sender daemon socket")
+    parser.add_argument("--socket", help=f"sender daemon socket (default: ${SENDER_SOCKET_VARIABLE}"
+                        ", else /run/kvwire/sender.sock)")
     parser.add_argument("--out", type=Path, help="write CSV, JSON and PNG plots here")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
     parser.add_argument("--quiet", action="store_true", help="no progress output")

@@ -134,7 +134,8 @@ async def _push_once(client: SenderClient, params: OverlapParams, overlapped: bo
         raise
 
 
-async def run_overlap(socket: str, params: OverlapParams, progress: PhaseProgress) -> OverlapRun:
+async def run_overlap(socket: str | None, params: OverlapParams,
+                      progress: PhaseProgress) -> OverlapRun:
     run = OverlapRun(params)
     client = await SenderClient.connect(socket)
     try:

@@ -1,0 +1,229 @@
+"""README works as written: its Python runs, its shell sessions run, and its
+kvctl synopsis says what ``kvctl --help`` says.
+
+Every fenced block in README.md says what it is: ``python`` (a program, its
+file name on the first line), ``sh`` (a session, run here line for line) or
+``text`` (sample output, or the synopsis). A new ``sh`` block must be given
+a place to run in ``SESSIONS`` below, or this suite fails.
+
+This file sorts after test_lab_teardown.py, so the README's lab session
+boots its own lab once the suite's shared one is down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvctl.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+VENV_BIN = str(Path(sys.executable).parent)
+KINDS = {"python", "sh", "text"}
+
+
+@dataclass(frozen=True)
+class Block:
+    kind: str
+    text: str
+    line: int  # where it starts in README.md, for messages
+
+    @property
+    def first_command(self) -> str:
+        return self.text.splitlines()[0].split("#")[0].strip()
+
+
+def readme_blocks() -> list[Block]:
+    blocks: list[Block] = []
+    lines = README.read_text().splitlines()
+    opened: tuple[str, int] | None = None
+    body: list[str] = []
+    for number, line in enumerate(lines, 1):
+        if not line.startswith("```"):
+            if opened is not None:
+                body.append(line)
+            continue
+        if opened is None:
+            opened, body = (line[3:].strip(), number), []
+        else:
+            blocks.append(Block(opened[0], "\n".join(body) + "\n", opened[1]))
+            opened = None
+    assert opened is None, f"README.md:{opened[1]}: a code block is never closed"
+    return blocks
+
+
+def blocks_of(kind: str) -> list[Block]:
+    return [b for b in readme_blocks() if b.kind == kind]
+
+
+# Where each shell session runs, by its first command.
+SESSIONS = {
+    "make demo": "make-dry-run",       # CI runs `make test` itself; `make demo` takes 15 min
+    "kvctl lab up": "host-lab",        # boots its own lab
+    "kvctl netns up": "host-netns",    # with the Python blocks beside it
+    "make install ROLE=receiver": "lab-node",  # a lab node is a real node, its /etc its own
+    "kvctl keys init": "lab-node",
+}
+
+
+def session(first_command: str) -> Block:
+    [block] = [b for b in blocks_of("sh") if b.first_command == first_command]
+    return block
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    """As after `. .venv/bin/activate`: kvctl and the venv's python3 first."""
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    env.pop("KVWIRE_SENDER_SOCKET", None)
+    env.pop("KVWIRE_RECEIVER_SOCKET", None)
+    return {**env, **extra}
+
+
+# ---------------------------------------------------------------- no daemons
+
+
+def test_every_block_says_what_it_is_and_where_it_runs() -> None:
+    blocks = readme_blocks()
+    assert blocks, "README.md has no code blocks?"
+    for block in blocks:
+        assert block.kind in KINDS, (
+            f"README.md:{block.line}: a code block marked {block.kind!r}; mark it python "
+            f"(runs), sh (runs: add it to SESSIONS) or text (output)")
+    for block in blocks_of("sh"):
+        assert block.first_command in SESSIONS, (
+            f"README.md:{block.line}: shell session {block.first_command!r} runs nowhere; "
+            "say where in tests/test_readme.py SESSIONS")
+    for block in blocks_of("python"):
+        assert re.match(r"# [\w-]+\.py\b", block.text), (
+            f"README.md:{block.line}: a Python block starts with '# NAME.py', the file a "
+            "reader saves it as")
+
+
+def test_the_two_commands_exist() -> None:
+    result = subprocess.run(["make", "-n", *session("make demo").text.split("#")[0].split()
+                             [1:2], "test"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    commands = [line.split("#")[0].split() for line in session("make demo").text.splitlines()]
+    assert [c[:2] for c in commands if c] == [["make", "demo"], ["make", "test"]]
+
+
+def _leaves(parser: argparse.ArgumentParser,
+            path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], set[str]]]:
+    sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if sub:
+        for name, child in sub[0].choices.items():
+            yield from _leaves(child, (*path, name))
+        return
+    flags = {option for action in parser._actions for option in action.option_strings
+             if option.startswith("--") and option != "--help"}
+    yield path, flags
+
+
+def _synopsis() -> dict[tuple[str, ...], set[str]]:
+    """README's kvctl synopsis: each command it shows, with the flags it names."""
+    [block] = [b for b in blocks_of("text") if b.text.startswith("kvctl ")]
+    shown: dict[tuple[str, ...], set[str]] = {}
+    for line in block.text.replace("\\\n", " ").splitlines():
+        words = line.split("#")[0].split()
+        assert words[0] == "kvctl", line
+        command = words[1]
+        verbs = words[2].split("|") if command in {"run", "lab", "keys", "netns"} else [""]
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line.split("#")[0]))
+        for verb in verbs:
+            shown[(command, verb) if verb else (command,)] = flags
+    return shown
+
+
+def test_the_kvctl_synopsis_says_what_help_says() -> None:
+    shown = _synopsis()
+    actual = dict(_leaves(build_parser()))
+    assert sorted(shown) == sorted(actual), (
+        "README's synopsis and kvctl's commands differ: README only "
+        f"{sorted(set(shown) - set(actual))}, kvctl only {sorted(set(actual) - set(shown))}")
+    for command, flags in actual.items():
+        name = " ".join(command)
+        missing, extra = flags - shown[command], shown[command] - flags
+        assert not missing, f"README's `kvctl {name}` leaves out {sorted(missing)}"
+        assert not extra, f"README's `kvctl {name}` shows {sorted(extra)}, which kvctl lacks"
+
+
+# ---------------------------------------------------------------- sessions
+
+
+def _run_session(text: str, cwd: Path, env: dict[str, str],
+                 timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.netns
+def test_the_engine_example_runs_against_the_netns_daemons(tmp_path: Path) -> None:
+    for block in blocks_of("python"):
+        name = re.match(r"# ([\w-]+\.py)", block.text)
+        assert name is not None, block.text[:80]
+        (tmp_path / name[1]).write_text(block.text)
+    env = _environment(KVWIRE_NETNS_DIR=str(tmp_path / "netns"))
+    try:
+        result = _run_session(session("kvctl netns up").text, tmp_path, env, timeout=300)
+    finally:
+        down = subprocess.run(["kvctl", "netns", "down"], env=env, capture_output=True,
+                              text=True, timeout=60)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert down.returncode == 0, down.stderr
+    out = result.stdout
+    assert "prefill: req-42 delivered, 50331648 B" in out, out
+    assert "decode: req-42 landed, 50331648 B" in out, out
+    consumed = [line.split() for line in out.splitlines() if line.startswith("file-1 ")]
+    # request, bytes, layers, first layer s, delivered s, checksum, bytes
+    assert consumed and consumed[-1][1:3] == ["6291456", "24"], out
+    assert consumed[-1][-2:] == ["ok", "ok"], out
+    assert not (tmp_path / "netns").exists()
+    tag = f"kvw-s{zlib.crc32(str((tmp_path / 'netns').resolve()).encode()):08x}"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert tag not in namespaces, namespaces
+
+
+@pytest.mark.lab
+def test_the_lab_session_and_the_deployment_sessions_run(tmp_path: Path) -> None:
+    """The lab session line for line, with its own state directory; before its
+    last line, the deployment sessions run as root in the decode node, whose
+    /etc is its own (``make install`` installs into the checkout's venv,
+    as the lab's systemd tests do: the nodes have no network to fetch from)."""
+    env = _environment(KVWIRE_LAB_DIR=str(tmp_path / "lab"))
+    lines = [line for line in session("kvctl lab up").text.splitlines() if line.strip()]
+    assert lines[-1].split("#")[0].split() == ["kvctl", "lab", "down"]
+    in_node = " ".join(f"'{part}'" for part in (
+        "env", f"PATH={VENV_BIN}:/usr/sbin:/usr/bin:/sbin:/bin",
+        f"PREFIX={Path(VENV_BIN).parent}"))
+    deployment = [b.text for b in blocks_of("sh") if SESSIONS[b.first_command] == "lab-node"]
+    try:
+        for line in lines[:-1]:
+            result = _run_session(line, ROOT, env, timeout=600)
+            assert result.returncode == 0, f"{line}\n{result.stdout}\n{result.stderr}"
+        for text in deployment:
+            result = _run_session(
+                f"kvctl lab exec decode -- {in_node} sh -euc {shlex.quote(text)}", ROOT, env,
+                timeout=300)
+            assert result.returncode == 0, f"{text}\n{result.stdout}\n{result.stderr}"
+            if text.startswith("kvctl keys"):
+                assert "decode-0 (receiver)" in result.stdout, result.stdout
+                assert "prefill-0 (sender)" in result.stdout, result.stdout
+                assert re.search(r"^ca +\S", result.stdout, re.M), result.stdout
+    finally:
+        down = _run_session(lines[-1], ROOT, env, timeout=300)
+    assert down.returncode == 0, down.stderr
+    assert "lab down" in down.stdout
+    assert not (tmp_path / "lab").exists()
+
+
