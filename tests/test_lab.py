@@ -154,10 +154,11 @@ def test_down_after_a_crashed_up_leaves_nothing(lab: LabState, tmp_path: Path) -
     up = subprocess.Popen([sys.executable, "-m", "kvctl", "lab", "up"],
                           env={**os.environ, **env}, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
+    # Killed once a node is running: up is half-way, with QEMUs to clean up.
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not (state_dir / "state.json").exists():
+    while not any(_running(pid) for pid in machine_state(state_dir)):
+        assert time.monotonic() < deadline, "lab up never started a node"
         time.sleep(0.2)
-    time.sleep(1)
     up.send_signal(signal.SIGKILL)
     up.wait()
     crashed = machine_state(state_dir)

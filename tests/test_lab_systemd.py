@@ -70,7 +70,8 @@ def test_ready_means_serving_and_status_is_clean(lab: LabState,
             f"systemctl status exited {code}:\n{out}\n{daemon.log_tail()}")
     # READY=1 came after the socket was bound: a push works the moment start returns.
     code, out, err = _push(lab, sender, "right-after-start")
-    assert code == 0, err
+    assert code == 0, (f"{err}\nreceiver restarts: {receiver.show('NRestarts')}\n"
+                       f"{receiver.log_tail()}\nsender:\n{sender.log_tail()}")
     assert '"bytes": 50331648' in out
     assert "verbs" in receiver.log_text()  # hardened, and RDMA still works
 

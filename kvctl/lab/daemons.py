@@ -28,6 +28,10 @@ DECODE_ADDRESS = "198.18.78.2"
 # keep the defaults.
 EMULATED_NODE_SLACK: dict[str, Any] = {"heartbeat": 5.0}
 EMULATED_CONNECT_TIMEOUT = 20.0
+# For the same reason the units' watchdog (WatchdogSec=10 as shipped) gets
+# 30 s in the lab: a loop starved for 10 s there is the emulation, not a
+# stuck daemon.
+EMULATED_WATCHDOG_SECONDS = 30
 
 
 # The lab's cluster CA and every lab daemon's credentials (auth on, as deployed).
@@ -176,17 +180,20 @@ class ServiceDaemon:
             raise LabError(f"make install failed in {self.node}: {out}{err}")
         hidden = sorted({path for path in (prefix, str(Path(__file__).resolve().parents[2]))
                          if path.startswith(("/tmp/", "/var/tmp/"))})
+        lines = [f"WatchdogSec={EMULATED_WATCHDOG_SECONDS}"]
         if hidden:
             # The unit's PrivateTmp hides a checkout under /tmp, and with it
-            # the venv and the sources its editable install points to; a
-            # lab-only drop-in binds them back in, read-only. Deployed daemons
+            # the venv and the sources its editable install points to; the
+            # lab's drop-in binds them back in, read-only. Deployed daemons
             # live in /opt/kvwire and need none of this.
-            dropin = f"/etc/systemd/system/{self.unit}.d"
-            code, out, err = self._sh(
-                f"mkdir -p {dropin} && printf '[Service]\\nBindReadOnlyPaths={' '.join(hidden)}"
-                f"\\n' > {dropin}/lab-checkout.conf && systemctl daemon-reload")
-            if code != 0:
-                raise LabError(f"cannot add the lab drop-in in {self.node}: {out}{err}")
+            lines.append(f"BindReadOnlyPaths={' '.join(hidden)}")
+        dropin = f"/etc/systemd/system/{self.unit}.d"
+        body = "\\n".join(["[Service]", *lines])
+        code, out, err = self._sh(
+            f"mkdir -p {dropin} && printf '{body}\\n' > {dropin}/lab.conf && "
+            "systemctl daemon-reload")
+        if code != 0:
+            raise LabError(f"cannot add the lab drop-in in {self.node}: {out}{err}")
 
     def start(self) -> ServiceDaemon:
         """Install, configure, ``systemctl restart``: returns once READY=1 came."""
