@@ -64,3 +64,9 @@ def from_file(path: str) -> tuple[RequestShape, np.ndarray]:
 def _natural(name: str) -> list[object]:
     """"layers.10.k" after "layers.9.k"."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def synthetic_bytes(length: int, seed: int) -> bytes:
+    """``length`` seeded random bytes: a cache of any shape whose every byte a
+    receiver can check, given the seed."""
+    return np.random.default_rng(seed).bytes(length)

@@ -418,6 +418,8 @@ class ReceiverDaemon(Daemon):
             log.info("request refused", req=req, sender=session.name, reason=str(error))
             self.metrics.requests.labels(session.label, "refused").inc()
             session.conn.send(message("refused", req=req, error=error.to_wire()))
+            if not isinstance(error, DuplicateRequest):  # theirs is the request we hold
+                self._tell_refused(req, error)
             return
         responder = session.responder
         assert responder is not None, "a session has its responder from the handshake"
@@ -427,6 +429,7 @@ class ReceiverDaemon(Daemon):
             self._give_back(session.name, slot, shape.total_bytes)
             if session.alive:
                 session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            self._tell_refused(req, exc)
             return
         if not session.alive or req in self.by_req:
             responder.revoke(key, lambda: self._give_back(session.name, slot,
@@ -676,6 +679,12 @@ class ReceiverDaemon(Daemon):
     def _notify(self, req: str, msg: Message) -> None:
         for consumer in self.subscribers.get(req, ()):
             consumer.send(msg)
+
+    def _tell_refused(self, req: str, error: KvwireError) -> None:
+        """A decode engine waiting for a request this receiver refused learns it
+        now, with the sender's reason: the same outcome at both ends, and no
+        engine left waiting for a request that will not come."""
+        self._notify(req, message("failed", req=req, error=error.to_wire()))
 
     async def _serve_consumer(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter

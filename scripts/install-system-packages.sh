@@ -5,12 +5,14 @@
 # qemu-system-x86, linux-image-amd64 (ships rdma_rxe), busybox-static,
 # perftest: the two-node Soft-RoCE lab and its baseline; systemd: the units
 # (systemd-analyze); prometheus: the real server the metrics tests scrape with;
-# python3-cryptography: kvctl keys mints the cluster CA and node certificates.
+# python3-cryptography: kvctl keys mints the cluster CA and node certificates;
+# nftables: the fault campaign drops packets where the kernel has no netem.
 set -euo pipefail
 
 packages=(python3 python3-venv python3-pip python3-cryptography iproute2 rdma-core
           ibverbs-utils python3-pyverbs
-          qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus)
+          qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus
+          nftables)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -135,6 +135,26 @@ async def test_unreachable_receiver_fails_fast_with_a_hint(tmp_path: Path) -> No
         await daemons.receiver.stop()
 
 
+async def test_a_decode_engine_waiting_for_a_refused_request_is_told_why(
+        local: LocalDaemons) -> None:
+    """The receiver refused it (pool full): the prefill engine and the decode
+    engine subscribed to it both hear PoolFull, not just the prefill one."""
+    async with await SenderClient.connect(local.sender_socket) as prefill, \
+            await ReceiverClient.connect(local.receiver_socket) as decode:
+        held = await prefill.push_bytes("holds-the-pool", "decode", bytes(48 << 20))
+        decode.subscribe("holds-the-pool")
+        decode.subscribe("no-room")
+        with pytest.raises(PoolFull, match="receive pool full"):
+            await prefill.push_bytes("no-room", "decode", bytes(32 << 20))
+        with pytest.raises(PoolFull, match="receive pool full"):
+            await decode.wait_delivered("no-room", timeout=5)
+        # The request it holds is untouched by the refusal, and comes back.
+        assert (await decode.wait_delivered("holds-the-pool", timeout=5)).checksum == \
+            held.checksum
+        await decode.release("holds-the-pool")
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+
+
 async def test_deadline_aborts_and_frees_both_pools(local: LocalDaemons) -> None:
     async with await SenderClient.connect(local.sender_socket) as client:
         push = await client.open("slow", "decode", RequestShape(4, 1 << 20), deadline=0.3)

@@ -51,6 +51,21 @@ def add_parsers(commands: Any) -> None:
                          "the deployment against the ridge")
 
 
+    faults = experiments.add_parser(
+        "faults", help="a fault campaign: verified pushes, one injected fault at a time, "
+        "between two namespaces over TCP (root)")
+    faults.add_argument("--scenarios", type=lambda text: [s for s in text.split(",") if s],
+                        help="comma-separated scenario names (default: all)")
+    faults.add_argument("--short", action="store_true",
+                        help="a few scenarios, 3 iterations each (what make test runs)")
+    faults.add_argument("--iterations", type=int, default=20, help="iterations per scenario")
+    faults.add_argument("--seed", type=int, default=0,
+                        help="seed of the fault points and the caches")
+    faults.add_argument("--out", type=Path, help="write faults.json, faults.csv, faults.png")
+    faults.add_argument("--json", action="store_true", help="print the JSON document")
+    faults.add_argument("--quiet", action="store_true", help="no progress output")
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer", help="receiver name (default: the sender's only one)")
     parser.add_argument("--socket", help=f"sender daemon socket (default: ${SENDER_SOCKET_VARIABLE}"
@@ -88,6 +103,10 @@ def _floats(text: str) -> list[float]:
 def run_main(args: argparse.Namespace) -> int:
     if args.experiment == "chunk-sweep":
         return asyncio.run(_chunk_sweep(args))
+    if args.experiment == "faults":
+        from ..faults.cli import run_faults
+
+        return run_faults(args)
     return asyncio.run(_overlap(args))
 
 

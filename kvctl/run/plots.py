@@ -31,7 +31,12 @@ def _size_axis(ax: Axes) -> None:
     ax.grid(True, which="both", alpha=0.3)
 
 
-def _save(fig: Any, path: Path) -> Path:
+def figure(width: float = 8, height: float = 5) -> tuple[Any, Axes]:
+    """A new figure with one plot, rendered to files only."""
+    return plt.subplots(figsize=(width, height))
+
+
+def save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -58,7 +63,7 @@ def sweep_latency(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     ax.set_ylabel("half round trip (µs)")
     ax.set_title(title)
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def sweep_bandwidth(rows: list[dict[str, Any]], path: Path, title: str,
@@ -89,7 +94,7 @@ def sweep_bandwidth(rows: list[dict[str, Any]], path: Path, title: str,
     ax.set_ylabel("Gb/s")
     ax.set_title(title)
     ax.legend(loc="lower right")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def overlap_speedup(rows: list[dict[str, Any]], path: Path, title: str,
@@ -108,7 +113,7 @@ def overlap_speedup(rows: list[dict[str, Any]], path: Path, title: str,
     ax.grid(True, alpha=0.3)
     ax.set_title(title)
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def overlap_bandwidth(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
@@ -122,4 +127,4 @@ def overlap_bandwidth(rows: list[dict[str, Any]], path: Path, title: str) -> Pat
     ax.set_ylim(bottom=0)
     ax.set_title(title)
     ax.legend()
-    return _save(fig, path)
+    return save(fig, path)

@@ -1,0 +1,413 @@
+"""Carry out fault scenarios: verified pushes, one fault each, every outcome counted.
+
+One iteration: a decode engine subscribes, a prefill engine pushes a 48 MiB
+cache of seeded random bytes, and the scenario's fault strikes at its point
+(the holding engine waits there until it has). Both engines report how
+their side ended; the decode engine compares every delivered byte with the
+seed's. Then the wire is cleaned, dead daemons are started again (as
+systemd would), and probe pushes run until one is delivered byte-exact
+again: the time to recovery. After the last iteration, the pools must drain
+to zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import queue
+import random
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwired.layout import RequestShape
+
+from .deployment import Deployment
+from .engine import DECODE_PHASES, PREFILL_PHASES
+from .scenarios import Scenario
+
+HANG = 30.0  # no event from either engine for this long: a hang
+RECOVERY_LIMIT = 90.0
+PUSH_DEADLINE = 20.0
+DECODE_GRACE = 10.0  # every failure must reach both engines within this
+Event = tuple[str, float, dict[str, Any]]
+
+
+@dataclass
+class ScenarioResult:
+    name: str
+    kind: str
+    transport: str
+    iterations: int = 0
+    attempted: int = 0
+    delivered_verified: int = 0
+    failed_by_class: Counter[str] = field(default_factory=Counter)
+    error_seconds: list[float] = field(default_factory=list)
+    recovery_seconds: list[float] = field(default_factory=list)
+    corrupt_bytes: int = 0
+    leaked_bytes: int = 0
+    hangs: int = 0
+    untyped_errors: int = 0
+    split_outcomes: int = 0
+    not_told: int = 0  # decode engines no daemon could tell (refused inside the sender)
+    restarts: int = 0
+    notes: list[str] = field(default_factory=list)
+    not_run: str | None = None  # why, when the deployment cannot inject this fault
+
+    @property
+    def clean(self) -> bool:
+        return not (self.corrupt_bytes or self.leaked_bytes or self.hangs
+                    or self.untyped_errors or self.split_outcomes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "transport": self.transport,
+            "iterations": self.iterations, "attempted": self.attempted,
+            "delivered_verified": self.delivered_verified,
+            "failed_by_class": dict(sorted(self.failed_by_class.items())),
+            "error_seconds_p50": _quantile(self.error_seconds, 0.5),
+            "error_seconds_p99": _quantile(self.error_seconds, 0.99),
+            "recovery_seconds_p99": _quantile(self.recovery_seconds, 0.99),
+            "corrupt_bytes": self.corrupt_bytes, "leaked_bytes": self.leaked_bytes,
+            "hangs": self.hangs, "untyped_errors": self.untyped_errors,
+            "split_outcomes": self.split_outcomes, "decode_not_told": self.not_told,
+            "restarts": self.restarts,
+            "error_seconds": self.error_seconds, "recovery_seconds": self.recovery_seconds,
+            "notes": self.notes, "not_run": self.not_run,
+        }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """Nearest-rank quantile: always one of the samples (None: no samples)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+class Engine:
+    """One engine process; a thread turns its stdout into events on a shared queue."""
+
+    def __init__(self, role: str, process: subprocess.Popen[str], events: queue.Queue[Event],
+                 hold: str | None) -> None:
+        self.role, self.process, self.hold = role, process, hold
+        self.killed = False
+        self.ended: dict[str, Any] | None = None
+        self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self._reader.start()
+
+    def _read(self, events: queue.Queue[Event]) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with contextlib.suppress(ValueError):
+                events.put((self.role, time.monotonic(), json.loads(line)))
+        events.put((self.role, time.monotonic(), {"e": "exit"}))
+
+    def release(self) -> None:
+        """Let a holding engine go on."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self.process.stdin is not None
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def reap(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
+
+
+class Campaign:
+    def __init__(self, deployment: Deployment, iterations: int,
+                 shape: RequestShape | None = None, seed: int = 0,
+                 progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.deployment, self.iterations = deployment, iterations
+        self.shape = shape or RequestShape(24, 2 << 20)  # the reference 48 MiB cache
+        self.rng = random.Random(seed)
+        self.progress = progress or (lambda phase, done, total: None)
+
+    # ------------------------------------------------------------- engines
+
+    def _engine(self, role: str, req: str, seed: int, events: queue.Queue[Event],
+                hold: str | None = None) -> Engine:
+        argv = ["--socket", self.deployment.sockets["sender" if role == "prefill"
+                                                    else "receiver"],
+                "--req", req, "--seed", str(seed), "--layers", str(self.shape.layers),
+                "--layer-bytes", str(self.shape.layer_bytes),
+                "--deadline", str(PUSH_DEADLINE)]
+        if hold:
+            argv += ["--hold", hold]
+        return Engine(role, self.deployment.engine(role, argv), events, hold)
+
+    def _push(self, req: str, seed: int, decode_hold: str | None = None,
+              prefill_hold: str | None = None,
+              at_hold: Callable[[Engine, float], None] | None = None
+              ) -> tuple[dict[str, dict[str, Any]], float | None, bool, list[Engine]]:
+        """One verified push. Returns each side's ending, when the fault struck,
+        whether it hung, and the engines (reaped)."""
+        events: queue.Queue[Event] = queue.Queue()
+        engines = {"decode": self._engine("decode", req, seed, events, decode_hold)}
+        struck: float | None = None
+        endings: dict[str, dict[str, Any]] = {}
+        verified: dict[str, Any] | None = None
+        hung = False
+        last = time.monotonic()
+        started_prefill = opened = False
+        # A push that fails inside the sender before the receiver heard of it
+        # (its staging full, say) cannot reach the decode engine: a scheduler
+        # would tell it. It gets a grace, then counts as "not told".
+        not_told_after: float | None = None
+        try:
+            while len(endings) < len(engines) or not started_prefill:
+                try:
+                    role, at, event = events.get(timeout=1.0)
+                except queue.Empty:
+                    now = time.monotonic()
+                    if (not_told_after is not None and now > not_told_after
+                            and "decode" not in endings):
+                        engines["decode"].kill()
+                        endings["decode"] = {"e": "not-told", "at": now}
+                    elif now - last > HANG:
+                        hung = True
+                        break
+                    continue
+                last = at
+                engine = engines[role]
+                kind = event["e"]
+                if kind == "subscribed" and not started_prefill:
+                    engines["prefill"] = self._engine("prefill", req, seed, events,
+                                                      prefill_hold)
+                    started_prefill = True
+                if kind == engine.hold and at_hold is not None and struck is None:
+                    struck = time.monotonic()
+                    at_hold(engine, struck)
+                elif kind == engine.hold:
+                    engine.release()
+                if kind == "verified":
+                    verified = event
+                if kind == "opened":
+                    opened = True
+                if role == "prefill" and kind == "failed" and not opened:
+                    not_told_after = at + DECODE_GRACE
+                if kind in ("finished", "released", "failed", "exit") and role not in endings:
+                    if kind == "exit":
+                        event = {"e": "killed" if engine.killed else "exit"}
+                    endings[role] = {**event, "at": at}
+                    if role == "decode" and verified is not None:
+                        endings[role]["corrupt"] = verified["corrupt"]
+                if kind == "exit" and role == "decode" and not started_prefill:
+                    started_prefill = True  # it died before subscribing: nothing to push to
+        finally:
+            for engine in engines.values():
+                engine.reap()
+        return endings, struck, hung, list(engines.values())
+
+    # ------------------------------------------------------------- scenarios
+
+    def run(self, scenario: Scenario) -> ScenarioResult:
+        result = ScenarioResult(scenario.name, scenario.kind, self.deployment.transport)
+        for netem in filter(None, (scenario.netem, "loss 100%" if scenario.blackout else None)):
+            result.not_run = self.deployment.can_emulate(netem)
+            if result.not_run:
+                return result
+        restarts_before = self.deployment.restarts()
+        for n in range(self.iterations):
+            self.progress(scenario.name, n, self.iterations)
+            try:
+                self._iteration(scenario, n, result)
+            finally:
+                self.deployment.wire(None)
+        self.progress(scenario.name, self.iterations, self.iterations)
+        result.leaked_bytes = self._leftover_after_draining()
+        result.restarts = self.deployment.restarts() - restarts_before
+        return result
+
+    def _iteration(self, scenario: Scenario, n: int, result: ScenarioResult) -> None:
+        point = self.rng.choice(scenario.at) if scenario.at else None
+        req = f"{scenario.name}-{n}-{uuid.uuid4().hex[:6]}"
+        seed = self.rng.randrange(1 << 31)
+        hogs: list[tuple[Engine, ...]] = []
+        if scenario.action in ("pool-full", "staging-full"):
+            hogs = self._hog(scenario.action)
+        if scenario.netem:
+            self.deployment.wire(scenario.netem)
+        result.iterations += 1
+        result.attempted += 1
+        struck_at = time.monotonic() if point is None else None
+        endings, struck, hung, _ = self._push(
+            req, seed,
+            decode_hold=point if point in DECODE_PHASES else None,
+            prefill_hold=point if point in PREFILL_PHASES else None,
+            at_hold=self._striker(scenario) if point else None)
+        struck_at = struck if struck is not None else struck_at
+        for hog in hogs:
+            for engine in hog:
+                engine.release()
+        self._end_hogs(hogs)
+        self.deployment.wire(None)
+        healed = time.monotonic()
+        self.deployment.supervise()
+        self._account(scenario, result, endings, struck_at, hung, req)
+        if not self._delivered(endings) or hung:
+            recovery = self._recover(seed + 1, result)
+            if recovery is None:
+                result.hangs += 1
+                result.notes.append(f"{req}: pushes did not succeed again within "
+                                    f"{RECOVERY_LIMIT:g} s")
+            else:
+                result.recovery_seconds.append(recovery - healed)
+
+    def _striker(self, scenario: Scenario) -> Callable[[Engine, float], None]:
+        """What happens at the fault point; the holding engine goes on after it."""
+        def strike(holder: Engine, now: float) -> None:
+            deployment = self.deployment
+            if scenario.target in ("prefill", "decode") and scenario.action == "kill":
+                if holder.role == scenario.target:
+                    holder.kill()
+                    return
+                holder.release()
+                return
+            if scenario.action == "kill" and scenario.target:
+                deployment.signal(scenario.target, signal.SIGKILL)
+                holder.release()
+            elif scenario.action == "stop" and scenario.target:
+                holder.release()
+                deployment.signal(scenario.target, signal.SIGSTOP)
+                time.sleep(scenario.pause)  # the fault's duration, not a wait for a condition
+                deployment.signal(scenario.target, signal.SIGCONT)
+            elif scenario.action == "restart" and scenario.target:
+                holder.release()
+                deployment.restart(scenario.target)
+            elif scenario.blackout:
+                holder.release()
+                deployment.wire("loss 100%")
+                time.sleep(scenario.blackout)  # the blackout itself
+                deployment.wire(None)
+            else:
+                holder.release()
+        return strike
+
+    # ------------------------------------------------------------- resources
+
+    def _hog(self, action: str) -> list[tuple[Engine, ...]]:
+        """Hold the receive pool (delivered, unreleased) or the staging (opened,
+        uncommitted) full with two other pushes, until the iteration ends."""
+        events: queue.Queue[Event] = queue.Queue()
+        hogs: list[tuple[Engine, ...]] = []
+        for n in range(2):
+            req = f"hog-{uuid.uuid4().hex[:6]}-{n}"
+            decode = self._engine("decode", req, n, events,
+                                  "verified" if action == "pool-full" else None)
+            self._await(events, decode, "subscribed")
+            prefill = self._engine("prefill", req, n, events,
+                                   "opened" if action == "staging-full" else None)
+            self._await(events, decode if action == "pool-full" else prefill,
+                        "verified" if action == "pool-full" else "opened")
+            hogs.append((decode, prefill))
+        return hogs
+
+    def _await(self, events: queue.Queue[Event], engine: Engine, phase: str) -> None:
+        deadline = time.monotonic() + HANG
+        while time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                role, _, event = events.get(timeout=1.0)
+                if role == engine.role and event["e"] == phase:
+                    return
+        raise RuntimeError(f"a {engine.role} engine holding resources never reached {phase}")
+
+    def _end_hogs(self, hogs: list[tuple[Engine, ...]]) -> None:
+        deadline = time.monotonic() + HANG
+        for hog in hogs:
+            for engine in hog:
+                while engine.process.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                engine.reap()
+
+    # ------------------------------------------------------------- accounting
+
+    @staticmethod
+    def _delivered(endings: dict[str, dict[str, Any]]) -> bool:
+        """The prefill engine was told finished, and the decode engine was handed
+        every byte as sent (whatever happened after, a crash before release say)."""
+        return (endings.get("prefill", {}).get("e") == "finished"
+                and endings.get("decode", {}).get("corrupt") == 0)
+
+    def _account(self, scenario: Scenario, result: ScenarioResult,
+                 endings: dict[str, dict[str, Any]], struck_at: float | None, hung: bool,
+                 req: str) -> None:
+        if hung:
+            result.hangs += 1
+            result.notes.append(f"{req}: no progress for {HANG:g} s")
+        corrupt = int(endings.get("decode", {}).get("corrupt") or 0)
+        result.corrupt_bytes += corrupt
+        if self._delivered(endings):
+            result.delivered_verified += 1
+        errors = [e for e in endings.values() if e.get("e") == "failed"]
+        for error in errors:
+            if not error.get("typed"):
+                result.untyped_errors += 1
+                result.notes.append(f"{req}: untyped {error['class']}: {error['message']}")
+        exits = [role for role, e in endings.items() if e.get("e") == "exit"]
+        for role in exits:
+            result.untyped_errors += 1
+            result.notes.append(f"{req}: the {role} engine exited without an outcome")
+        if errors:
+            first = min(errors, key=lambda e: e["at"])
+            result.failed_by_class[first["class"]] += 1
+            if struck_at is not None:
+                result.error_seconds.append(max(0.0, first["at"] - struck_at))
+        # One outcome at both ends: finished at prefill exactly when delivered at
+        # decode (unless the scenario killed one of the two engines).
+        prefill, decode = endings.get("prefill", {}), endings.get("decode", {})
+        if decode.get("e") == "not-told":
+            result.not_told += 1
+        elif "killed" not in (prefill.get("e"), decode.get("e")):
+            finished, delivered = prefill.get("e") == "finished", "corrupt" in decode
+            if finished != delivered:
+                result.split_outcomes += 1
+                result.notes.append(
+                    f"{req}: prefill {prefill.get('e')} "
+                    f"({prefill.get('class', '')}), decode "
+                    f"{'delivered' if delivered else decode.get('e')} "
+                    f"({decode.get('class', '')})")
+
+    def _recover(self, seed: int, result: ScenarioResult) -> float | None:
+        """Probe pushes until one is delivered byte-exact; when it was."""
+        deadline = time.monotonic() + RECOVERY_LIMIT
+        while time.monotonic() < deadline:
+            self.deployment.supervise()
+            req = f"probe-{uuid.uuid4().hex[:6]}"
+            endings, _, hung, _ = self._push(req, seed)
+            if hung:
+                result.hangs += 1
+                result.notes.append(f"{req} (after the fault): no progress for {HANG:g} s, "
+                                    f"{endings}")
+            if self._delivered(endings):
+                return time.monotonic()
+            time.sleep(0.5)  # between probes: a daemon may still be coming up
+        return None
+
+    def _leftover_after_draining(self, patience: float = 45.0) -> int:
+        """Pool bytes still held once every request has ended (waits for
+        reclaiming: engines gone, unclaimed deliveries)."""
+        deadline = time.monotonic() + patience
+        while True:
+            used = sum(self.deployment.pool_used().values())
+            if used == 0 or time.monotonic() > deadline:
+                return used
+            time.sleep(0.5)

@@ -1,0 +1,139 @@
+"""Where a fault campaign runs: what it can do to the two nodes.
+
+``NetnsDeployment``: a receiver and a sender in two network namespaces
+joined by a veth pair (TCP), and a supervisor that restarts a daemon that
+died, as systemd's ``Restart=on-failure`` does on a real node. The engines
+run in the host namespace: the daemons' unix sockets live in the shared
+filesystem.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..netns import DaemonProcess, Host, NetnsPair, receiver_config, scrape_in, sender_config
+from .wire import WireFaults
+
+ROLES = ("receiver", "sender")
+
+
+class Deployment(Protocol):
+    name: str
+    transport: str
+
+    @property
+    def sockets(self) -> dict[str, str]: ...
+
+    def engine(self, role: str, argv: list[str]) -> subprocess.Popen[str]: ...
+
+    def wire(self, netem: str | None) -> None: ...
+
+    def can_emulate(self, netem: str) -> str | None: ...
+
+    def signal(self, role: str, signum: signal.Signals) -> None: ...
+
+    def restart(self, role: str) -> None: ...
+
+    def supervise(self) -> None: ...
+
+    def restarts(self) -> int: ...
+
+    def pool_used(self) -> dict[str, int]: ...
+
+    def log_tail(self, role: str) -> str: ...
+
+
+class NetnsDeployment:
+    """Two namespaces over TCP, a supervisor standing in for systemd."""
+
+    name = "netns"
+    transport = "tcp"
+
+    def __init__(self, workdir: Path, receiver: dict[str, Any] | None = None,
+                 sender: dict[str, Any] | None = None) -> None:
+        self.workdir = workdir
+        self.pair = NetnsPair(f"f{int(time.time()) % 100000}")
+        self.daemons: dict[str, DaemonProcess] = {}
+        self._overrides = {"receiver": receiver or {}, "sender": sender or {}}
+        self._restarts = 0
+        self._wire = WireFaults()
+
+    def __enter__(self) -> NetnsDeployment:
+        self.pair.up()
+        try:
+            for role, host, config in (
+                    ("receiver", self.pair.decode, receiver_config(
+                        self.pair, self.workdir, **self._overrides["receiver"])),
+                    ("sender", self.pair.prefill, sender_config(
+                        self.pair, self.workdir, **self._overrides["sender"]))):
+                self.daemons[role] = DaemonProcess(self.pair, host, role, config,
+                                                   self.workdir).start()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for daemon in reversed(list(self.daemons.values())):
+            daemon.stop()
+        self.pair.down()
+
+    @property
+    def sockets(self) -> dict[str, str]:
+        return {role: daemon.socket for role, daemon in self.daemons.items()}
+
+    def engine(self, role: str, argv: list[str]) -> subprocess.Popen[str]:
+        return subprocess.Popen([sys.executable, "-m", "kvctl.faults.engine", role, *argv],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+    def _hosts(self) -> tuple[Host, ...]:
+        return (self.pair.prefill, self.pair.decode)
+
+    def can_emulate(self, netem: str) -> str | None:
+        return self._wire.can_emulate(netem)
+
+    def wire(self, netem: str | None) -> None:
+        """The fault on both ends of the wire (None: a clean wire again)."""
+        for host in self._hosts():
+            self._wire.apply(functools.partial(self.pair.argv, host), host.ifname, netem)
+
+    def signal(self, role: str, signum: signal.Signals) -> None:
+        process = self.daemons[role].process
+        if process is not None and process.poll() is None:
+            process.send_signal(signum)
+
+    def restart(self, role: str) -> None:
+        """As ``systemctl restart``: a clean stop, then a start."""
+        self.daemons[role].stop()
+        self.daemons[role].start()
+        self._restarts += 1
+
+    def supervise(self) -> None:
+        """Start again whatever died (``Restart=on-failure``)."""
+        for daemon in self.daemons.values():
+            if not daemon.running:
+                daemon.start()
+                self._restarts += 1
+
+    def restarts(self) -> int:
+        return self._restarts
+
+    def pool_used(self) -> dict[str, int]:
+        """Bytes the receive pool and the staging pool hold, from the daemons' metrics."""
+        used: dict[str, int] = {}
+        for role, host, port in (("receiver", self.pair.decode, 9471),
+                                 ("sender", self.pair.prefill, 9472)):
+            status = scrape_in(self.pair, host, port)
+            used[role] = int(sum(value for (name, labels), value in status.samples.items()
+                                 if name == "kvwire_pool_bytes" and ("state", "used") in labels))
+        return used
+
+    def log_tail(self, role: str) -> str:
+        return self.daemons[role].log_tail()
