@@ -8,7 +8,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint unit demo demo-netns install clean
+.PHONY: setup test lint unit demo demo-netns faults install clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,13 @@ demo: setup
 # The same path over TCP between two network namespaces (seconds, not minutes).
 demo-netns: setup
 	$(BIN)/kvctl demo netns
+
+# The fault campaign in the lab: boots it, runs every scenario (verbs under
+# the nodes' systemd), writes results/faults.*, takes the lab down.
+faults: setup
+	$(BIN)/kvctl lab up
+	$(BIN)/kvctl run faults --where lab --out results; status=$$?; \
+	    $(BIN)/kvctl lab down; exit $$status
 
 # On a real node, as root: the daemons' venv in $(PREFIX), their units in
 # /etc/systemd/system, example configs in /etc/kvwire, the kvwire user.

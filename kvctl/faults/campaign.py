@@ -18,7 +18,6 @@ import math
 import queue
 import random
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -29,7 +28,7 @@ from typing import Any
 
 from kvwired.layout import RequestShape
 
-from .deployment import Deployment
+from .deployment import Deployment, EngineHandle
 from .engine import DECODE_PHASES, PREFILL_PHASES
 from .scenarios import Scenario
 
@@ -95,41 +94,39 @@ def _quantile(values: list[float], q: float) -> float | None:
 class Engine:
     """One engine process; a thread turns its stdout into events on a shared queue."""
 
-    def __init__(self, role: str, process: subprocess.Popen[str], events: queue.Queue[Event],
+    def __init__(self, role: str, handle: EngineHandle, events: queue.Queue[Event],
                  hold: str | None) -> None:
-        self.role, self.process, self.hold = role, process, hold
+        self.role, self.handle = role, handle
+        self.hold = hold  # the fault's point, if this engine holds for it
         self.killed = False
-        self.ended: dict[str, Any] | None = None
         self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
         self._reader.start()
 
     def _read(self, events: queue.Queue[Event]) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
+        for line in self.handle.lines():
             with contextlib.suppress(ValueError):
-                events.put((self.role, time.monotonic(), json.loads(line)))
+                event = json.loads(line)
+                if event.get("e") != "pid":
+                    events.put((self.role, time.monotonic(), event))
         events.put((self.role, time.monotonic(), {"e": "exit"}))
 
-    def release(self) -> None:
-        """Let a holding engine go on."""
-        with contextlib.suppress(OSError, ValueError):
-            assert self.process.stdin is not None
-            self.process.stdin.write("\n")
-            self.process.stdin.flush()
+    @property
+    def alive(self) -> bool:
+        return self.handle.alive()
+
+    def release(self, phase: str | None = None) -> None:
+        """Let an engine held at ``phase`` (by default its fault point) go on."""
+        phase = phase or self.hold
+        if phase is not None:
+            self.handle.release(phase)
 
     def kill(self) -> None:
         self.killed = True
-        if self.process.poll() is None:
-            self.process.kill()
+        self.handle.kill()
 
     def reap(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            with contextlib.suppress(OSError):
-                if stream is not None:
-                    stream.close()
+        self.handle.kill()
+        self._reader.join(timeout=HANG)
 
 
 class Campaign:
@@ -144,36 +141,43 @@ class Campaign:
     # ------------------------------------------------------------- engines
 
     def _engine(self, role: str, req: str, seed: int, events: queue.Queue[Event],
-                hold: str | None = None) -> Engine:
+                hold: str | None = None, gated: bool = False) -> Engine:
+        """An engine process. ``gated``: a prefill engine starts with the decode
+        engine (both pay their start-up at once) but holds at "connected"
+        until the decode engine has subscribed."""
         argv = ["--socket", self.deployment.sockets["sender" if role == "prefill"
                                                     else "receiver"],
                 "--req", req, "--seed", str(seed), "--layers", str(self.shape.layers),
                 "--layer-bytes", str(self.shape.layer_bytes),
                 "--deadline", str(PUSH_DEADLINE)]
-        if hold:
-            argv += ["--hold", hold]
-        return Engine(role, self.deployment.engine(role, argv), events, hold)
+        for phase in (["connected"] if gated else []) + ([hold] if hold else []):
+            argv += ["--hold", phase]
+        return Engine(role, self.deployment.engine(role, argv, hold), events, hold)
 
     def _push(self, req: str, seed: int, decode_hold: str | None = None,
               prefill_hold: str | None = None,
               at_hold: Callable[[Engine, float], None] | None = None
               ) -> tuple[dict[str, dict[str, Any]], float | None, bool, list[Engine]]:
-        """One verified push. Returns each side's ending, when the fault struck,
-        whether it hung, and the engines (reaped)."""
+        """One verified push. Returns each side's ending, when the fault struck
+        (with no fault point: when the prefill engine was let open its push,
+        so engines' start-up is not counted), whether it hung, and the
+        engines (reaped)."""
         events: queue.Queue[Event] = queue.Queue()
-        engines = {"decode": self._engine("decode", req, seed, events, decode_hold)}
+        engines = {"decode": self._engine("decode", req, seed, events, decode_hold),
+                   "prefill": self._engine("prefill", req, seed, events, prefill_hold,
+                                           gated=True)}
         struck: float | None = None
         endings: dict[str, dict[str, Any]] = {}
         verified: dict[str, Any] | None = None
         hung = False
         last = time.monotonic()
-        started_prefill = opened = False
+        gate_open = opened = False
         # A push that fails inside the sender before the receiver heard of it
         # (its staging full, say) cannot reach the decode engine: a scheduler
         # would tell it. It gets a grace, then counts as "not told".
         not_told_after: float | None = None
         try:
-            while len(endings) < len(engines) or not started_prefill:
+            while len(endings) < len(engines):
                 try:
                     role, at, event = events.get(timeout=1.0)
                 except queue.Empty:
@@ -189,10 +193,11 @@ class Campaign:
                 last = at
                 engine = engines[role]
                 kind = event["e"]
-                if kind == "subscribed" and not started_prefill:
-                    engines["prefill"] = self._engine("prefill", req, seed, events,
-                                                      prefill_hold)
-                    started_prefill = True
+                if role == "decode" and kind in ("subscribed", "exit") and not gate_open:
+                    engines["prefill"].release("connected")  # (exit: nobody to wait for)
+                    gate_open = True
+                    if at_hold is None:
+                        struck = time.monotonic()
                 if kind == engine.hold and at_hold is not None and struck is None:
                     struck = time.monotonic()
                     at_hold(engine, struck)
@@ -210,8 +215,6 @@ class Campaign:
                     endings[role] = {**event, "at": at}
                     if role == "decode" and verified is not None:
                         endings[role]["corrupt"] = verified["corrupt"]
-                if kind == "exit" and role == "decode" and not started_prefill:
-                    started_prefill = True  # it died before subscribing: nothing to push to
         finally:
             for engine in engines.values():
                 engine.reap()
@@ -248,13 +251,11 @@ class Campaign:
             self.deployment.wire(scenario.netem)
         result.iterations += 1
         result.attempted += 1
-        struck_at = time.monotonic() if point is None else None
-        endings, struck, hung, _ = self._push(
+        endings, struck_at, hung, _ = self._push(
             req, seed,
             decode_hold=point if point in DECODE_PHASES else None,
             prefill_hold=point if point in PREFILL_PHASES else None,
             at_hold=self._striker(scenario) if point else None)
-        struck_at = struck if struck is not None else struck_at
         for hog in hogs:
             for engine in hog:
                 engine.release()
@@ -288,7 +289,9 @@ class Campaign:
             elif scenario.action == "stop" and scenario.target:
                 holder.release()
                 deployment.signal(scenario.target, signal.SIGSTOP)
-                time.sleep(scenario.pause)  # the fault's duration, not a wait for a condition
+                # The fault's duration (past the peers' heartbeat), not a wait
+                # for a condition.
+                time.sleep(deployment.stop_pause)
                 deployment.signal(scenario.target, signal.SIGCONT)
             elif scenario.action == "restart" and scenario.target:
                 holder.release()
@@ -334,7 +337,7 @@ class Campaign:
         deadline = time.monotonic() + HANG
         for hog in hogs:
             for engine in hog:
-                while engine.process.poll() is None and time.monotonic() < deadline:
+                while engine.alive and time.monotonic() < deadline:
                     time.sleep(0.05)
                 engine.reap()
 

@@ -1,18 +1,22 @@
-"""``kvctl run faults``: the campaign between two namespaces, its report, its verdict."""
+"""``kvctl run faults``: the campaign in the lab or between two namespaces, its
+report, its verdict."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 from pathlib import Path
 
+from kvwired.layout import RequestShape
+
 from ..netns import HarnessError, check_can_run
 from ..run.progress import PhaseProgress
 from . import report
 from .campaign import Campaign, ScenarioResult
-from .deployment import NetnsDeployment
+from .deployment import Deployment, NetnsDeployment
 from .scenarios import SHORT, select
 
 # Daemons tuned for a campaign: room for the iteration's push and two that
@@ -23,17 +27,27 @@ SENDER = {"staging_size": "96MiB"}
 SHORT_ITERATIONS = 3
 
 
-def run_faults(args: argparse.Namespace) -> int:
+def _deployment(where: str, workdir: Path) -> contextlib.AbstractContextManager[Deployment]:
+    if where == "lab":
+        from ..lab.machine import require_state
+        from .lab import LabDeployment
+
+        return LabDeployment(require_state(), RECEIVER, SENDER)
     reason = check_can_run()
     if reason:
         raise HarnessError(f"the fault campaign runs between two namespaces: {reason}")
+    return NetnsDeployment(workdir, RECEIVER, SENDER)
+
+
+def run_faults(args: argparse.Namespace) -> int:
     names = list(SHORT) if args.short and not args.scenarios else args.scenarios
     iterations = SHORT_ITERATIONS if args.short else args.iterations
     results: list[ScenarioResult] = []
     with tempfile.TemporaryDirectory(prefix="kvwire-faults-") as tmp, \
-            NetnsDeployment(Path(tmp), RECEIVER, SENDER) as deployment, \
+            _deployment(args.where, Path(tmp)) as deployment, \
             PhaseProgress(enabled=not args.quiet) as progress:
-        campaign = Campaign(deployment, iterations, seed=args.seed, progress=progress.update)
+        campaign = Campaign(deployment, iterations, RequestShape(args.layers, args.layer_bytes),
+                            seed=args.seed, progress=progress.update)
         for scenario in select(names, deployment.transport):
             results.append(campaign.run(scenario))
     print(json.dumps(report.document(results), indent=2) if args.json

@@ -9,11 +9,13 @@ filesystem.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -23,6 +25,18 @@ from .wire import WireFaults
 ROLES = ("receiver", "sender")
 
 
+class EngineHandle(Protocol):
+    """An engine process wherever it runs: its output lines, its hold, its end."""
+
+    def lines(self) -> Iterator[str]: ...
+
+    def release(self, phase: str) -> None: ...
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+
 class Deployment(Protocol):
     name: str
     transport: str
@@ -30,7 +44,10 @@ class Deployment(Protocol):
     @property
     def sockets(self) -> dict[str, str]: ...
 
-    def engine(self, role: str, argv: list[str]) -> subprocess.Popen[str]: ...
+    @property
+    def stop_pause(self) -> float: ...
+
+    def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle: ...
 
     def wire(self, netem: str | None) -> None: ...
 
@@ -47,6 +64,35 @@ class Deployment(Protocol):
     def pool_used(self) -> dict[str, int]: ...
 
     def log_tail(self, role: str) -> str: ...
+
+
+class ProcessHandle:
+    """An engine that is a child process here; held engines wait on its stdin."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+
+    def lines(self) -> Iterator[str]:
+        assert self.process.stdout is not None
+        yield from self.process.stdout
+
+    def release(self, phase: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.process.stdin is not None
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            with contextlib.suppress(OSError):
+                if stream is not None:
+                    stream.close()
 
 
 class NetnsDeployment:
@@ -88,10 +134,16 @@ class NetnsDeployment:
     def sockets(self) -> dict[str, str]:
         return {role: daemon.socket for role, daemon in self.daemons.items()}
 
-    def engine(self, role: str, argv: list[str]) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-m", "kvctl.faults.engine", role, *argv],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, bufsize=1)
+    @property
+    def stop_pause(self) -> float:
+        """Long enough a SIGSTOP for the peer to be declared lost (heartbeat x 4)."""
+        return 4 * 1.0 + 2.0
+
+    def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle:
+        return ProcessHandle(subprocess.Popen(
+            [sys.executable, "-m", "kvctl.faults.engine", role, *argv],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True, bufsize=1))
 
     def _hosts(self) -> tuple[Host, ...]:
         return (self.pair.prefill, self.pair.decode)

@@ -6,8 +6,10 @@ process of its own, so a scenario can SIGKILL either at a chosen point.
 
 Each prints one JSON object a line as it goes (``{"e": "opened"}``,
 ``{"e": "layer", "n": 3}``, ...) and ends with ``finished``, ``verified`` or
-``failed``. ``--hold PHASE`` makes it stop at that phase and wait for a line
-on stdin, so the campaign injects its fault exactly there. The decode engine
+``failed``. ``--hold PHASE`` (repeatable) makes it stop there and wait for a line
+on stdin (or, with ``--release-dir``, for a file named after the phase to
+appear there: a lab node's commands have no stdin), so the campaign injects
+its fault exactly there. The decode engine
 compares every byte it was delivered with the cache the prefill engine
 sends (the same seed), and counts the bytes that differ.
 """
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,10 +55,22 @@ def failure(exc: BaseException) -> dict[str, Any]:
     return {"class": type(exc).__name__, "typed": typed, "message": str(exc)[:300]}
 
 
-async def hold(phase: str, held: str | None) -> None:
-    emit(phase)
-    if phase == held:
+RELEASE_POLL = 0.01
+
+
+async def wait_released(phase: str, release_dir: str | None) -> None:
+    if release_dir is None:
         await asyncio.to_thread(sys.stdin.readline)
+        return
+    released = Path(release_dir) / phase
+    while not released.exists():
+        await asyncio.sleep(RELEASE_POLL)
+
+
+async def hold(phase: str, args: argparse.Namespace) -> None:
+    emit(phase)
+    if phase in (args.hold or ()):
+        await wait_released(phase, args.release_dir)
 
 
 async def prefill(args: argparse.Namespace) -> None:
@@ -62,19 +78,19 @@ async def prefill(args: argparse.Namespace) -> None:
     data = synthetic_bytes(shape.total_bytes, args.seed)
     started = time.monotonic()
     async with await SenderClient.connect(args.socket) as client:
-        await hold("connected", args.hold)
+        await hold("connected", args)
         push = await client.open(args.req, args.peer, shape, chunk=args.chunk,
                                  deadline=args.deadline)
-        await hold("opened", args.hold)
+        await hold("opened", args)
         for n in range(shape.layers):
             offset, length = shape.layer_span(n)
             push.layer(n)[:] = data[offset : offset + length]
             push.commit(n)
             if n == shape.layers // 2 - 1:
-                await hold("half", args.hold)
+                await hold("half", args)
             if args.layer_interval:
                 await asyncio.sleep(args.layer_interval)  # the engine's compute, emulated
-        await hold("committed", args.hold)
+        await hold("committed", args)
         result = await push.finish()
         emit("finished", seconds=time.monotonic() - started, checksum=result.checksum)
 
@@ -84,15 +100,15 @@ async def decode(args: argparse.Namespace) -> None:
     expected = np.frombuffer(synthetic_bytes(shape.total_bytes, args.seed), dtype=np.uint8)
     async with await ReceiverClient.connect(args.socket) as client:
         client.subscribe(args.req)
-        await hold("subscribed", args.hold)
+        await hold("subscribed", args)
         async for event in client.events(args.req):
             if isinstance(event, LayerLanded) and event.layer == 0:
-                await hold("first-layer", args.hold)
+                await hold("first-layer", args)
             elif isinstance(event, Delivered):
                 corrupt = corrupt_bytes(client.view(event), expected)
                 emit("verified", corrupt=corrupt, bytes=event.length)
-                if args.hold == "verified":
-                    await asyncio.to_thread(sys.stdin.readline)
+                if "verified" in (args.hold or ()):
+                    await wait_released("verified", args.release_dir)
         await client.release(args.req)
         emit("released")
 
@@ -109,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", default="per-layer")
     parser.add_argument("--deadline", type=float)
     parser.add_argument("--layer-interval", type=float, default=0.0)
-    parser.add_argument("--hold", choices=[*PREFILL_PHASES, *DECODE_PHASES])
+    parser.add_argument("--hold", action="append", choices=[*PREFILL_PHASES, *DECODE_PHASES],
+                        help="wait at this phase until released (repeatable)")
+    parser.add_argument("--release-dir", help="wait for DIR/PHASE instead of a line on stdin")
     args = parser.parse_args(argv)
+    emit("pid", pid=os.getpid())
     try:
         asyncio.run(prefill(args) if args.role == "prefill" else decode(args))
     except Exception as exc:  # every way out is reported, typed or not

@@ -22,7 +22,6 @@ class Scenario:
     target: str | None = None  # receiver, sender (daemons); prefill, decode (engines)
     action: str | None = None  # kill, stop, restart, pool-full, staging-full
     at: tuple[str, ...] = ()
-    pause: float = 0.0  # stop: seconds before SIGCONT
     transports: frozenset[str] = field(default_factory=lambda: frozenset({"tcp", "verbs"}))
 
 
@@ -49,9 +48,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("kill-decode", "process", "SIGKILL of the decode engine", target="decode",
              action="kill", at=DECODE_POINTS),
     Scenario("stop-sender", "process", "SIGSTOP of the sender past the heartbeat, SIGCONT",
-             target="sender", action="stop", at=("half",), pause=6.0),
+             target="sender", action="stop", at=("half",)),
     Scenario("stop-receiver", "process", "SIGSTOP of the receiver past the heartbeat, "
-             "SIGCONT", target="receiver", action="stop", at=("half",), pause=6.0),
+             "SIGCONT", target="receiver", action="stop", at=("half",)),
     Scenario("restart-receiver", "process", "a clean restart of the receiver under load",
              target="receiver", action="restart", at=PUSH_POINTS),
     Scenario("restart-sender", "process", "a clean restart of the sender under load",

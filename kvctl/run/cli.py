@@ -52,8 +52,10 @@ def add_parsers(commands: Any) -> None:
 
 
     faults = experiments.add_parser(
-        "faults", help="a fault campaign: verified pushes, one injected fault at a time, "
-        "between two namespaces over TCP (root)")
+        "faults", help="a fault campaign: verified pushes, one injected fault at a time")
+    faults.add_argument("--where", choices=["netns", "lab"], default="netns",
+                        help="netns: two network namespaces over TCP (root); lab: the lab's "
+                        "nodes (kvctl lab up first), verbs over Soft-RoCE, under systemd")
     faults.add_argument("--scenarios", type=lambda text: [s for s in text.split(",") if s],
                         help="comma-separated scenario names (default: all)")
     faults.add_argument("--short", action="store_true",
@@ -61,6 +63,9 @@ def add_parsers(commands: Any) -> None:
     faults.add_argument("--iterations", type=int, default=20, help="iterations per scenario")
     faults.add_argument("--seed", type=int, default=0,
                         help="seed of the fault points and the caches")
+    faults.add_argument("--layers", type=int, default=24, help="layers of each pushed cache")
+    faults.add_argument("--layer-bytes", type=_size, default=2 << 20,
+                        help="bytes per layer (default 2MiB: the 48 MiB reference cache)")
     faults.add_argument("--out", type=Path, help="write faults.json, faults.csv, faults.png")
     faults.add_argument("--json", action="store_true", help="print the JSON document")
     faults.add_argument("--quiet", action="store_true", help="no progress output")
