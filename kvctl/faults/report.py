@@ -84,6 +84,7 @@ def _plot(results: list[ScenarioResult], path: Path) -> Path:
     ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
     ax.set_ylabel("seconds (each iteration)")
     ax.set_yscale("symlog", linthresh=0.1)
+    ax.set_ylim(bottom=0)
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_title("Faults: time to the typed error, time until pushes succeed again")
     ax.legend()
