@@ -22,11 +22,13 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 from kvwired.client import RECEIVER_SOCKET_VARIABLE, SENDER_SOCKET_VARIABLE
 from kvwired.localsock import accepts
 
 from .netns import DaemonProcess, HarnessError, NetnsPair, receiver_config, sender_config
+from .processes import alive
 
 DEFAULT_STATE_DIR = Path("/run/kvwire-netns")
 STATE_DIR = Path(os.environ.get("KVWIRE_NETNS_DIR", DEFAULT_STATE_DIR))
@@ -46,25 +48,15 @@ def _state_file() -> Path:
     return STATE_DIR / "state.json"
 
 
-def _read_state() -> dict[str, object] | None:
+def _read_state() -> dict[str, Any] | None:
     try:
-        state: dict[str, object] = json.loads(_state_file().read_text())
+        state: dict[str, Any] = json.loads(_state_file().read_text())
     except (OSError, ValueError):
         return None
     return state
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def up() -> dict[str, object]:
+def up() -> dict[str, Any]:
     """Build the pair and start both daemons, detached; their state."""
     if _read_state() is not None:
         raise HarnessError(f"a two-namespace pair is already up (state in {STATE_DIR})",
@@ -82,7 +74,7 @@ def up() -> dict[str, object]:
             daemon.stop()
         pair.down()
         raise
-    state: dict[str, object] = {
+    state: dict[str, Any] = {
         "prefill": {"netns": pair.prefill.netns, "address": pair.prefill.address},
         "decode": {"netns": pair.decode.netns, "address": pair.decode.address},
         "daemons": {d.role: {"pid": d.pid, "socket": d.socket, "log": str(d.log_path),
@@ -96,16 +88,16 @@ def down() -> list[str]:
     """Stop the daemons (SIGTERM, then SIGKILL), remove the namespaces and the state."""
     state = _read_state()
     report: list[str] = []
-    daemons = dict(state.get("daemons", {})) if state else {}  # type: ignore[call-overload]
+    daemons: dict[str, Any] = state.get("daemons", {}) if state else {}
     for role, info in daemons.items():
         pid = int(info["pid"])
-        if not _alive(pid):
+        if not alive(pid):
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_PATIENCE
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
             report.append(f"{role} (pid {pid}): killed after {STOP_PATIENCE:g} s")
         else:
@@ -116,9 +108,8 @@ def down() -> list[str]:
     return report
 
 
-def environment(state: dict[str, object]) -> dict[str, str]:
+def environment(state: dict[str, Any]) -> dict[str, str]:
     daemons = state["daemons"]
-    assert isinstance(daemons, dict)
     return {SENDER_SOCKET_VARIABLE: daemons["sender"]["socket"],
             RECEIVER_SOCKET_VARIABLE: daemons["receiver"]["socket"]}
 
@@ -156,14 +147,13 @@ def main(args: argparse.Namespace) -> int:
     return _print(current)
 
 
-def _print(state: dict[str, object]) -> int:
+def _print(state: dict[str, Any]) -> int:
     prefill, decode, daemons = state["prefill"], state["decode"], state["daemons"]
-    assert isinstance(prefill, dict) and isinstance(decode, dict) and isinstance(daemons, dict)
     print(f"prefill {prefill['address']} ({prefill['netns']}) -> decode {decode['address']} "
           f"({decode['netns']}): TCP over veth, mutual TLS")
     serving = True
     for role, info in daemons.items():
-        up_now = _alive(int(info["pid"])) and accepts(info["socket"])
+        up_now = alive(int(info["pid"])) and accepts(info["socket"])
         serving &= up_now
         print(f"{role:8}  pid {info['pid']:<7}  {'serving' if up_now else 'NOT SERVING'}  "
               f"socket {info['socket']}  log {info['log']}")

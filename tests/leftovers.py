@@ -14,6 +14,8 @@ import signal
 import time
 from pathlib import Path
 
+from kvctl.processes import alive
+
 MARK = "KVWIRE_TEST_RUN"
 # Daemons told to stop may still be draining when the last test ends.
 GRACE = 15.0
@@ -29,8 +31,8 @@ def marked_processes(mark: str) -> dict[int, str]:
         with contextlib.suppress(OSError):
             if needle not in (entry / "environ").read_bytes().split(b"\0"):
                 continue
-            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue  # exited, waiting for its parent to reap it
+            if not alive(int(entry.name)):
+                continue  # exited (a zombie waiting for its parent to reap it)
             command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
                 errors="replace").strip()
             found[int(entry.name)] = command

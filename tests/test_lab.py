@@ -16,6 +16,7 @@ import pytest
 
 from kvctl.lab import link_perftest as perftest
 from kvctl.lab.machine import LabState, run_in
+from kvctl.processes import alive
 
 pytestmark = pytest.mark.lab
 
@@ -156,19 +157,19 @@ def test_down_after_a_crashed_up_leaves_nothing(lab: LabState, tmp_path: Path) -
                           stderr=subprocess.DEVNULL)
     # Killed once a node is running: up is half-way, with QEMUs to clean up.
     deadline = time.monotonic() + 60
-    while not any(_running(pid) for pid in machine_state(state_dir)):
+    while not any(alive(pid) for pid in machine_state(state_dir)):
         assert time.monotonic() < deadline, "lab up never started a node"
         time.sleep(0.2)
     up.send_signal(signal.SIGKILL)
     up.wait()
     crashed = machine_state(state_dir)
     assert crashed, "up did not get far enough to start a node"
-    assert any(_running(pid) for pid in crashed)
+    assert any(alive(pid) for pid in crashed)
 
     down = kvctl("lab", "down", env=env)
     assert down.returncode == 0, down.stderr
     assert not state_dir.exists()
-    assert not any(_running(pid) for pid in crashed)
+    assert not any(alive(pid) for pid in crashed)
     assert not _qemus_of(state_dir)
     # And the session's own lab was left alone.
     assert kvctl("lab", "status").returncode == 0
@@ -182,14 +183,6 @@ def machine_state(state_dir: Path) -> list[int]:
     except (OSError, ValueError):
         return []
     return [node["pid"] for node in raw["nodes"].values()]
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return not stat.split(") ")[-1].startswith("Z")
 
 
 def _qemus_of(state_dir: Path) -> list[str]:

@@ -9,8 +9,9 @@ import pytest
 
 from kvctl.lab import machine
 from kvctl.lab.machine import LabState
+from kvctl.processes import alive
 
-from .test_lab import _qemus_of, _running, kvctl
+from .test_lab import _qemus_of, kvctl
 
 pytestmark = pytest.mark.lab
 
@@ -21,7 +22,7 @@ def test_session_lab_down_leaves_nothing(lab: LabState) -> None:
     result = kvctl("lab", "down")
     assert result.returncode == 0, result.stderr
     assert "powered off" in result.stdout
-    assert not any(_running(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
     assert not machine.STATE_DIR.exists()
     assert not _qemus_of(machine.STATE_DIR)
     for port in ports:

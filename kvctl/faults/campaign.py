@@ -156,12 +156,12 @@ class Campaign:
 
     def _push(self, req: str, seed: int, decode_hold: str | None = None,
               prefill_hold: str | None = None,
-              at_hold: Callable[[Engine, float], None] | None = None
-              ) -> tuple[dict[str, dict[str, Any]], float | None, bool, list[Engine]]:
+              at_hold: Callable[[Engine], None] | None = None
+              ) -> tuple[dict[str, dict[str, Any]], float | None, bool]:
         """One verified push. Returns each side's ending, when the fault struck
         (with no fault point: when the prefill engine was let open its push,
-        so engines' start-up is not counted), whether it hung, and the
-        engines (reaped)."""
+        so engines' start-up is not counted) and whether it hung. The engines
+        are reaped."""
         events: queue.Queue[Event] = queue.Queue()
         engines = {"decode": self._engine("decode", req, seed, events, decode_hold),
                    "prefill": self._engine("prefill", req, seed, events, prefill_hold,
@@ -200,7 +200,7 @@ class Campaign:
                         struck = time.monotonic()
                 if kind == engine.hold and at_hold is not None and struck is None:
                     struck = time.monotonic()
-                    at_hold(engine, struck)
+                    at_hold(engine)
                 elif kind == engine.hold:
                     engine.release()
                 if kind == "verified":
@@ -218,7 +218,7 @@ class Campaign:
         finally:
             for engine in engines.values():
                 engine.reap()
-        return endings, struck, hung, list(engines.values())
+        return endings, struck, hung
 
     # ------------------------------------------------------------- scenarios
 
@@ -233,8 +233,9 @@ class Campaign:
             self.progress(scenario.name, n, self.iterations)
             try:
                 self._iteration(scenario, n, result)
-            finally:
-                self.deployment.wire(None)
+            except BaseException:
+                self.deployment.wire(None)  # never leave a fault on the wire
+                raise
         self.progress(scenario.name, self.iterations, self.iterations)
         result.leaked_bytes = self._leftover_after_draining()
         result.restarts = self.deployment.restarts() - restarts_before
@@ -251,7 +252,7 @@ class Campaign:
             self.deployment.wire(scenario.netem)
         result.iterations += 1
         result.attempted += 1
-        endings, struck_at, hung, _ = self._push(
+        endings, struck_at, hung = self._push(
             req, seed,
             decode_hold=point if point in DECODE_PHASES else None,
             prefill_hold=point if point in PREFILL_PHASES else None,
@@ -260,7 +261,8 @@ class Campaign:
             for engine in hog:
                 engine.release()
         self._end_hogs(hogs)
-        self.deployment.wire(None)
+        if scenario.netem:
+            self.deployment.wire(None)
         healed = time.monotonic()
         self.deployment.supervise()
         self._account(scenario, result, endings, struck_at, hung, req)
@@ -273,9 +275,9 @@ class Campaign:
             else:
                 result.recovery_seconds.append(recovery - healed)
 
-    def _striker(self, scenario: Scenario) -> Callable[[Engine, float], None]:
+    def _striker(self, scenario: Scenario) -> Callable[[Engine], None]:
         """What happens at the fault point; the holding engine goes on after it."""
-        def strike(holder: Engine, now: float) -> None:
+        def strike(holder: Engine) -> None:
             deployment = self.deployment
             if scenario.target in ("prefill", "decode") and scenario.action == "kill":
                 if holder.role == scenario.target:
@@ -395,7 +397,7 @@ class Campaign:
         while time.monotonic() < deadline:
             self.deployment.supervise()
             req = f"probe-{uuid.uuid4().hex[:6]}"
-            endings, _, hung, _ = self._push(req, seed)
+            endings, _, hung = self._push(req, seed)
             if hung:
                 result.hangs += 1
                 result.notes.append(f"{req} (after the fault): no progress for {HANG:g} s, "

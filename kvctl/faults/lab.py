@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import queue
 import signal
 import sys
@@ -38,9 +39,11 @@ class _Lines:
         *complete, self._partial = self._partial.split(b"\n")
         for raw in complete:
             line = raw.decode(errors="replace")
-            if self.pid is None and '"e": "pid"' in line:
-                with contextlib.suppress(ValueError, IndexError):
-                    self.pid = int(line.rsplit('"pid": ', 1)[1].rstrip("}"))
+            if self.pid is None:  # the engine's first line names its process
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    event = json.loads(line)
+                    if event["e"] == "pid":
+                        self.pid = int(event["pid"])
             self._lines.put(line)
         return len(data)
 

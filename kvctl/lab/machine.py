@@ -29,6 +29,7 @@ from typing import Any, BinaryIO
 from kvwired.config import free_port
 from kvwired.errors import KvwireError
 
+from ..processes import alive
 from . import initramfs, wire
 
 STATE_DIR = Path(os.environ.get("KVWIRE_LAB_DIR", "/var/tmp/kvwire-lab"))
@@ -166,20 +167,6 @@ def why_lab_cannot_run() -> str | None:
 # --------------------------------------------------------------- the lab
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        # A zombie is not alive (the lab's QEMUs are children of `up` in tests).
-        if Path(f"/proc/{pid}/stat").read_text().split(") ")[-1].startswith("Z"):
-            return False
-    return True
-
-
 def _free_udp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.bind(("127.0.0.1", 0))
@@ -240,9 +227,9 @@ def up(out: Any = sys.stdout) -> LabState:
     """Boot both nodes; return once both agents answer."""
     existing = LabState.load()
     if existing is not None:
-        alive = [n.name for n in existing.nodes.values() if _alive(n.pid)]
-        if alive:
-            raise LabError(f"a lab is already up (nodes {', '.join(alive)})",
+        running = [n.name for n in existing.nodes.values() if alive(n.pid)]
+        if running:
+            raise LabError(f"a lab is already up (nodes {', '.join(running)})",
                            hint="use it, or `kvctl lab down` first")
         print("kvctl lab: cleaning up after a lab that did not shut down", file=out)
         down(quiet=True)
@@ -289,7 +276,7 @@ def _wait_for(ready: Callable[[], bool], timeout: float, node: str, state: LabSt
         if ready():
             return
         for other in state.nodes.values():
-            if not _alive(other.pid):
+            if not alive(other.pid):
                 raise LabError(f"node {other.name} stopped while booting:\n"
                                f"{_tail(other)}", hint="the console log above says why")
         time.sleep(0.25)
@@ -324,7 +311,7 @@ def _ping(state: LabState, node: str) -> bool:
 
 def require_state() -> LabState:
     state = LabState.load()
-    if state is None or not any(_alive(n.pid) for n in state.nodes.values()):
+    if state is None or not any(alive(n.pid) for n in state.nodes.values()):
         raise LabError("no lab is up", hint="start one with `kvctl lab up`")
     return state
 
@@ -379,7 +366,7 @@ def status() -> tuple[LabState | None, dict[str, str]]:
         return None, {}
     health = {}
     for name, node in state.nodes.items():
-        if not _alive(node.pid):
+        if not alive(node.pid):
             health[name] = "stopped"
         else:
             health[name] = "up" if _ping(state, name) else "not answering"
@@ -399,14 +386,14 @@ def down(quiet: bool = False, timeout: float = 15.0) -> list[str]:
                 report.append(f"{name}: powered off")
     deadline = time.monotonic() + timeout
     for pid in set(pids):
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if alive(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             report.append(f"pid {pid}: killed")
             gone_by = time.monotonic() + 10  # a killed QEMU takes a moment to exit
-            while _alive(pid) and time.monotonic() < gone_by:
+            while alive(pid) and time.monotonic() < gone_by:
                 time.sleep(0.05)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
