@@ -149,14 +149,18 @@ class OutgoingPush:
 
     def layer(self, n: int) -> memoryview:
         """Writable staging memory of layer ``n`` (registered: no copy on the way out)."""
+        self._check_open()  # an ended push's staging is gone: say why, typed
         offset, length = self.shape.layer_span(n)
         return self.buffer[offset : offset + length]
 
-    def commit(self, n: int) -> None:
-        """Hand layer ``n`` to the daemon; returns at once."""
+    def _check_open(self) -> None:
         if self._result.done():
             self._result.result()  # raises the failure, if that is what ended it
             raise UsageError(f"request {self.req} is already finished")
+
+    def commit(self, n: int) -> None:
+        """Hand layer ``n`` to the daemon; returns at once."""
+        self._check_open()
         if n != self._committed:
             raise UsageError(f"layer {n} committed out of order",
                              hint=f"commit layers in order; layer {self._committed} is next")

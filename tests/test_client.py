@@ -48,6 +48,9 @@ async def test_a_failure_right_behind_opened_reaches_finish() -> None:
         await asyncio.wait_for(push.finish(), 1)
     with pytest.raises(DeadlineExceeded):
         push.commit(0)
+    # An engine still filling layers hears the failure, not a released buffer.
+    with pytest.raises(DeadlineExceeded):
+        push.layer(1)
 
 
 async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
