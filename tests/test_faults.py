@@ -143,6 +143,28 @@ def test_the_report_holds_every_figure_and_says_what_is_not_clean(tmp_path: Path
     assert doc["scenarios"][1]["error_seconds_p50"] == 0.1
 
 
+def test_the_report_names_errors_slower_than_the_bar_and_says_what_ran(tmp_path: Path) -> None:
+    slow = ScenarioResult("stop-receiver", "process", "verbs", 2, 2, 0,
+                          error_seconds=[7.7, 12.3], seconds=61.0)
+    assert "errors slower than 10 s: stop-receiver (12.3 s)" in report.render([slow])
+    setup = {"where": "lab", "iterations": 2, "layers": 24, "push_bytes": 12 << 20}
+    report.write([slow], tmp_path, setup)
+    doc = json.loads((tmp_path / "faults.json").read_text())
+    assert setup.items() <= doc.items() and doc["scenarios"][0]["seconds"] == 61.0
+
+
+def test_between_namespaces_the_systemd_only_scenarios_say_why_they_do_not_run() -> None:
+    from kvctl.faults.deployment import NetnsDeployment
+
+    deployment = NetnsDeployment.__new__(NetnsDeployment)  # no namespaces needed to ask
+    for scenario in SCENARIOS:
+        reason = deployment.supports(scenario.action) if scenario.action else None
+        if scenario.action in ("stall", "memlock"):
+            assert reason and "lab" in reason, scenario
+        else:
+            assert reason is None, scenario
+
+
 _why_not = check_can_run()
 
 
@@ -167,3 +189,68 @@ def test_a_short_campaign_between_two_namespaces_is_clean(tmp_path: Path) -> Non
     assert scenarios["loss-1%"]["delivered_verified"] == 3
     assert "every scenario clean" in done.stdout
 
+
+
+class _ServerOutput:
+    """A fork server's stdout, sorted by child as it is read."""
+
+    def __init__(self, server: subprocess.Popen[str]) -> None:
+        self.server = server
+        self.events: dict[str, list[dict[str, Any]]] = {}
+
+    def _read_one(self) -> None:
+        assert self.server.stdout is not None
+        line = self.server.stdout.readline()
+        assert line, "the fork server ended early"
+        child, _, text = line.rstrip("\n").partition(" ")
+        self.events.setdefault(child, []).append(json.loads(text))
+
+    def of(self, child: str, until: str) -> list[dict[str, Any]]:
+        """``child``'s events, read until its first ``until``."""
+        while not any(e["e"] == until for e in self.events.get(child, [])):
+            self._read_one()
+        return self.events[child]
+
+
+def _command(directory: Path, child: str, argv: list[str]) -> None:
+    staged = directory / f"{child}.tmp"
+    staged.write_text(json.dumps(argv))
+    staged.rename(directory / f"{child}.cmd")  # whole, as the lab's host side writes it
+
+
+def test_the_fork_server_forks_one_real_engine_process_per_command(tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket
+
+    commands = tmp_path / "commands"
+    mute = socket.socket(socket.AF_UNIX)  # takes connections into its backlog, never answers
+    mute.bind(str(tmp_path / "mute.sock"))
+    mute.listen(8)
+    server = subprocess.Popen([sys.executable, "-m", "kvctl.faults.forkserver", str(commands)],
+                              stdout=subprocess.PIPE, text=True)
+    output = _ServerOutput(server)
+    try:
+        assert output.of("server", "ready") == [{"e": "ready", "pid": server.pid}]
+        _command(commands, "lost", ["decode", "--socket", str(tmp_path / "none.sock"),
+                                    "--req", "r", "--seed", "1"])
+        _command(commands, "stuck", ["prefill", "--socket", str(tmp_path / "mute.sock"),
+                                     "--req", "r", "--seed", "1"])
+        # An engine with no daemon: its own typed failure, then its exit code.
+        lost = output.of("lost", "exit")
+        assert [e["e"] for e in lost] == ["pid", "failed", "exit"]
+        assert lost[1]["typed"] and lost[2]["code"] == 1
+        # An engine stuck in its daemon's handshake is a process of its own: a
+        # SIGKILL ends it alone, and the server says so.
+        pid = output.of("stuck", "pid")[0]["pid"]
+        assert pid not in (server.pid, os.getpid(), lost[0]["pid"])
+        os.kill(pid, signal.SIGKILL)
+        assert output.of("stuck", "exit")[-1] == {"e": "exit", "code": -signal.SIGKILL}
+        assert server.poll() is None
+        (commands / "stop").touch()
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+        mute.close()

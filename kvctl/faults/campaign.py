@@ -59,6 +59,7 @@ class ScenarioResult:
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
     not_run: str | None = None  # why, when the deployment cannot inject this fault
+    seconds: float = 0.0  # how long the scenario's iterations took, all told
 
     @property
     def clean(self) -> bool:
@@ -79,7 +80,7 @@ class ScenarioResult:
             "split_outcomes": self.split_outcomes, "decode_not_told": self.not_told,
             "restarts": self.restarts,
             "error_seconds": self.error_seconds, "recovery_seconds": self.recovery_seconds,
-            "notes": self.notes, "not_run": self.not_run,
+            "notes": self.notes, "not_run": self.not_run, "seconds": round(self.seconds, 1),
         }
 
 
@@ -228,7 +229,12 @@ class Campaign:
             result.not_run = self.deployment.can_emulate(netem)
             if result.not_run:
                 return result
+        if scenario.action:
+            result.not_run = self.deployment.supports(scenario.action)
+            if result.not_run:
+                return result
         restarts_before = self.deployment.restarts()
+        began = time.monotonic()
         for n in range(self.iterations):
             self.progress(scenario.name, n, self.iterations)
             try:
@@ -239,6 +245,7 @@ class Campaign:
         self.progress(scenario.name, self.iterations, self.iterations)
         result.leaked_bytes = self._leftover_after_draining()
         result.restarts = self.deployment.restarts() - restarts_before
+        result.seconds = time.monotonic() - began
         return result
 
     def _iteration(self, scenario: Scenario, n: int, result: ScenarioResult) -> None:
@@ -256,7 +263,7 @@ class Campaign:
             req, seed,
             decode_hold=point if point in DECODE_PHASES else None,
             prefill_hold=point if point in PREFILL_PHASES else None,
-            at_hold=self._striker(scenario) if point else None)
+            at_hold=self._striker(scenario, result) if point else None)
         for hog in hogs:
             for engine in hog:
                 engine.release()
@@ -275,7 +282,8 @@ class Campaign:
             else:
                 result.recovery_seconds.append(recovery - healed)
 
-    def _striker(self, scenario: Scenario) -> Callable[[Engine], None]:
+    def _striker(self, scenario: Scenario, result: ScenarioResult
+                 ) -> Callable[[Engine], None]:
         """What happens at the fault point; the holding engine goes on after it."""
         def strike(holder: Engine) -> None:
             deployment = self.deployment
@@ -298,6 +306,22 @@ class Campaign:
             elif scenario.action == "restart" and scenario.target:
                 holder.release()
                 deployment.restart(scenario.target)
+            elif scenario.action == "stall" and scenario.target:
+                deployment.stall(scenario.target)
+                holder.release()
+                # Until the watchdog has put the daemon down and systemd has
+                # started it again, no engine of the daemon's can be told.
+                deployment.supervise()
+            elif scenario.action == "memlock" and scenario.target:
+                holder.release()
+                refusal = deployment.starve_memlock(scenario.target)
+                if refusal is None:  # it started, or died without saying why
+                    result.untyped_errors += 1
+                    result.notes.append(f"the {scenario.target} did not refuse to start under "
+                                        f"a low memlock limit:\n"
+                                        f"{deployment.log_tail(scenario.target)}")
+                elif not result.notes:
+                    result.notes.append(f"the {scenario.target} refused: {refusal}")
             elif scenario.blackout:
                 holder.release()
                 deployment.wire("loss 100%")

@@ -9,6 +9,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from kvwired.layout import RequestShape
 
@@ -19,40 +20,58 @@ from .campaign import Campaign, ScenarioResult
 from .deployment import Deployment, NetnsDeployment
 from .scenarios import SHORT, select
 
-# Daemons tuned for a campaign: room for the iteration's push and two that
-# hold a pool full; leases that wait 1 s for room; deliveries nobody claims
-# (a decode engine killed before it subscribed) freed after 5 s.
-RECEIVER = {"pool_size": "96MiB", "lease_wait": 1.0, "unclaimed_ttl": 5.0}
-SENDER = {"staging_size": "96MiB"}
+
+# Daemons tuned for a campaign: pools of two pushes (the iteration's, and a
+# probe beside one still being reclaimed; pool-full's two hogs fill them);
+# leases that wait 1 s for room; deliveries nobody claims (a decode engine
+# killed before it subscribed) freed after 5 s.
+def tuned(shape: RequestShape) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The receiver's and the sender's settings for pushes of ``shape``."""
+    pools = f"{2 * shape.total_bytes}B"
+    return ({"pool_size": pools, "lease_wait": 1.0, "unclaimed_ttl": 5.0},
+            {"staging_size": pools})
+
+
 SHORT_ITERATIONS = 3
+# The lab's daemons otherwise beat every 5 s, slack for an emulated CPU that
+# rdma_rxe starves for seconds while it moves a 48 MiB cache; a peer would be
+# declared lost only after 20 s, and a stopped daemon's error would surface
+# that late. The campaign's pushes (make faults: 12 MiB) starve it less.
+LAB_HEARTBEAT = 1.5
 
 
-def _deployment(where: str, workdir: Path) -> contextlib.AbstractContextManager[Deployment]:
+def _deployment(where: str, workdir: Path, shape: RequestShape
+                ) -> contextlib.AbstractContextManager[Deployment]:
+    receiver, sender = tuned(shape)
     if where == "lab":
         from ..lab.machine import require_state
         from .lab import LabDeployment
 
-        return LabDeployment(require_state(), RECEIVER, SENDER)
+        return LabDeployment(require_state(), {**receiver, "heartbeat": LAB_HEARTBEAT},
+                             {**sender, "heartbeat": LAB_HEARTBEAT})
     reason = check_can_run()
     if reason:
         raise HarnessError(f"the fault campaign runs between two namespaces: {reason}")
-    return NetnsDeployment(workdir, RECEIVER, SENDER)
+    return NetnsDeployment(workdir, receiver, sender)
 
 
 def run_faults(args: argparse.Namespace) -> int:
     names = list(SHORT) if args.short and not args.scenarios else args.scenarios
     iterations = SHORT_ITERATIONS if args.short else args.iterations
+    shape = RequestShape(args.layers, args.layer_bytes)
     results: list[ScenarioResult] = []
     with tempfile.TemporaryDirectory(prefix="kvwire-faults-") as tmp, \
-            _deployment(args.where, Path(tmp)) as deployment, \
+            _deployment(args.where, Path(tmp), shape) as deployment, \
             PhaseProgress(enabled=not args.quiet) as progress:
-        campaign = Campaign(deployment, iterations, RequestShape(args.layers, args.layer_bytes),
-                            seed=args.seed, progress=progress.update)
+        campaign = Campaign(deployment, iterations, shape, seed=args.seed,
+                            progress=progress.update)
         for scenario in select(names, deployment.transport):
             results.append(campaign.run(scenario))
-    print(json.dumps(report.document(results), indent=2) if args.json
+    setup = {"where": args.where, "iterations": iterations, "layers": shape.layers,
+             "push_bytes": shape.total_bytes}
+    print(json.dumps(report.document(results, setup), indent=2) if args.json
           else report.render(results))
     if args.out is not None:
-        for path in report.write(results, args.out):
+        for path in report.write(results, args.out, setup):
             print(f"wrote {path}", file=sys.stderr)
     return 0 if all(r.clean for r in results) else 1

@@ -53,7 +53,13 @@ class Deployment(Protocol):
 
     def can_emulate(self, netem: str) -> str | None: ...
 
+    def supports(self, action: str) -> str | None: ...
+
     def signal(self, role: str, signum: signal.Signals) -> None: ...
+
+    def stall(self, role: str) -> None: ...
+
+    def starve_memlock(self, role: str) -> str | None: ...
 
     def restart(self, role: str) -> None: ...
 
@@ -155,6 +161,21 @@ class NetnsDeployment:
         """The fault on both ends of the wire (None: a clean wire again)."""
         for host in self._hosts():
             self._wire.apply(functools.partial(self.pair.argv, host), host.ifname, netem)
+
+    def supports(self, action: str) -> str | None:
+        if action == "stall":
+            return "no watchdog between namespaces: the daemons run without systemd (the lab " \
+                   "runs this scenario)"
+        if action == "memlock":
+            return "the TCP transport pins no memory: a memlock limit matters to verbs (the " \
+                   "lab runs this scenario)"
+        return None
+
+    def stall(self, role: str) -> None:
+        raise NotImplementedError(self.supports("stall"))
+
+    def starve_memlock(self, role: str) -> str | None:
+        raise NotImplementedError(self.supports("memlock"))
 
     def signal(self, role: str, signum: signal.Signals) -> None:
         process = self.daemons[role].process

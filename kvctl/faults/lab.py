@@ -14,10 +14,11 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..lab.daemons import EMULATED_NODE_SLACK, ServiceDaemon, receiver_config, sender_config
-from ..lab.machine import SHARED_DIR, LabState, exec_in, run_in
+from ..lab.daemons import ServiceDaemon, receiver_config, sender_config
+from ..lab.machine import SHARED_DIR, LabError, LabState, exec_in, run_in
 from ..status import scrape
 from .deployment import EngineHandle
 
@@ -27,65 +28,123 @@ METRICS_PORT = {"receiver": "metrics_receiver", "sender": "metrics_sender"}
 BACK_WITHIN = 120.0  # systemd restarts a dead daemon after RestartSec=2; TCG is slow
 
 
-class _Lines:
-    """A binary sink that hands complete lines to a queue (a node's stdout)."""
+class _Child:
+    """An engine forked by a node's fork server: its lines, its pid, its end."""
 
-    def __init__(self, lines: queue.Queue[str | None]) -> None:
-        self._lines, self._partial = lines, b""
+    def __init__(self) -> None:
+        self.lines: queue.Queue[str | None] = queue.Queue()
         self.pid: int | None = None
+        self.ended = threading.Event()
 
-    def write(self, data: bytes) -> int:
+
+class ForkServer:
+    """A node's warm engine server (``kvctl.faults.forkserver``), run through
+    the node's agent for the whole campaign; its stdout carries every
+    child's lines, each after the child's id."""
+
+    READY_WITHIN = 180.0  # Python and numpy imported on an emulated CPU
+
+    def __init__(self, state: LabState, node: str) -> None:
+        self.state, self.node = state, node
+        self.directory = SHARED_DIR / "faults" / f"{node}-{uuid.uuid4().hex[:8]}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._children: dict[str, _Child] = {}
+        self._partial = b""
+        self._ready = threading.Event()
+        self._errors = io.BytesIO()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> ForkServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.READY_WITHIN
+        while not self._ready.wait(0.5):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise LabError(f"the engine server in {self.node} did not start: "
+                               f"{self._errors.getvalue().decode(errors='replace')[-2000:]}")
+        return self
+
+    def stop(self) -> None:
+        (self.directory / "stop").touch()
+        self._thread.join(timeout=30)
+        for entry in self.directory.glob("*"):
+            entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.directory.rmdir()
+
+    def spawn(self, argv: list[str]) -> _Child:
+        child_id = uuid.uuid4().hex[:12]
+        child = self._children[child_id] = _Child()
+        staged = self.directory / f"{child_id}.tmp"
+        staged.write_text(json.dumps(argv))
+        staged.rename(self.directory / f"{child_id}.cmd")  # whole, or not there yet
+        return child
+
+    def _run(self) -> None:
+        try:
+            exec_in(self.node, [sys.executable, "-m", "kvctl.faults.forkserver",
+                                str(self.directory)],
+                    stdout=self, stderr=self._errors, state=self.state)  # type: ignore[arg-type]
+        finally:
+            for child in self._children.values():
+                child.lines.put(None)
+                child.ended.set()
+
+    def write(self, data: bytes) -> int:  # the server's stdout, as it arrives
         self._partial += data
         *complete, self._partial = self._partial.split(b"\n")
         for raw in complete:
-            line = raw.decode(errors="replace")
-            if self.pid is None:  # the engine's first line names its process
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    event = json.loads(line)
-                    if event["e"] == "pid":
-                        self.pid = int(event["pid"])
-            self._lines.put(line)
+            child_id, _, line = raw.decode(errors="replace").partition(" ")
+            if child_id == "server":
+                self._ready.set()
+            elif (child := self._children.get(child_id)) is not None:
+                self._deliver(child, line)
         return len(data)
 
     def flush(self) -> None:
         pass
 
+    @staticmethod
+    def _deliver(child: _Child, line: str) -> None:
+        event: dict[str, Any] = {}
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+        if not isinstance(event, dict):
+            event = {}
+        if event.get("e") == "pid":
+            child.pid = int(event["pid"])
+        if event.get("e") == "exit":
+            child.lines.put(None)
+            child.ended.set()
+        else:
+            child.lines.put(line)
+
 
 class NodeHandle:
-    """An engine in a lab node, run through the node's agent. A held engine
-    waits for a file in the lab's shared directory; a kill is a kill -9 there."""
+    """An engine in a lab node, forked by the node's engine server. A held
+    engine waits for a file in the lab's shared directory; a kill is a kill -9
+    in the node."""
 
-    def __init__(self, state: LabState, node: str, argv: list[str]) -> None:
-        self.state, self.node = state, node
+    def __init__(self, server: ForkServer, argv: list[str]) -> None:
+        self.server = server
         self.release_dir = SHARED_DIR / "faults" / uuid.uuid4().hex[:12]
         self.release_dir.mkdir(parents=True, exist_ok=True)
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._sink = _Lines(self._lines)
-        self._thread = threading.Thread(target=self._run, args=(
-            [*argv, "--release-dir", str(self.release_dir)],), daemon=True)
-        self._thread.start()
-
-    def _run(self, argv: list[str]) -> None:
-        try:
-            exec_in(self.node, argv, stdout=self._sink,  # type: ignore[arg-type]
-                    stderr=io.BytesIO(), state=self.state)
-        finally:
-            self._lines.put(None)
+        self._child = server.spawn([*argv, "--release-dir", str(self.release_dir)])
 
     def lines(self) -> Iterator[str]:
-        while (line := self._lines.get()) is not None:
+        while (line := self._child.lines.get()) is not None:
             yield line
 
     def release(self, phase: str) -> None:
         (self.release_dir / phase).touch()
 
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return not self._child.ended.is_set()
 
     def kill(self) -> None:
-        if self._thread.is_alive() and self._sink.pid is not None:
-            run_in(self.node, ["kill", "-9", str(self._sink.pid)], state=self.state)
-        self._thread.join(timeout=30)
+        if self.alive() and self._child.pid is not None:
+            run_in(self.server.node, ["kill", "-9", str(self._child.pid)],
+                   state=self.server.state)
+        self._child.ended.wait(timeout=30)
         for entry in self.release_dir.glob("*"):
             entry.unlink(missing_ok=True)
         with contextlib.suppress(OSError):
@@ -110,14 +169,28 @@ class LabDeployment:
         }
         self._explicit_restarts = 0
         self._base_restarts = 0
+        self.servers: dict[str, ForkServer] = {}
+        self._starved: set[str] = set()  # daemons restarted under a low memlock limit
+        self._stalled: dict[str, int] = {}  # daemons stopped for the watchdog: their pid
 
     def __enter__(self) -> LabDeployment:
-        self.daemons["receiver"].start()
-        self.daemons["sender"].start()
-        self._base_restarts = self._systemd_restarts()
+        try:
+            # The two nodes install and start their daemon at once: each
+            # start is a minute of Python on an emulated CPU.
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                for started in [pool.submit(d.start) for d in self.daemons.values()]:
+                    started.result()
+            self._base_restarts = self._systemd_restarts()
+            for node in ENGINE_NODE.values():
+                self.servers[node] = ForkServer(self.state, node).start()
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for server in self.servers.values():
+            server.stop()
         self.wire(None)
         for daemon in reversed(list(self.daemons.values())):
             daemon.stop()
@@ -128,11 +201,11 @@ class LabDeployment:
 
     @property
     def stop_pause(self) -> float:
-        return 4 * float(EMULATED_NODE_SLACK["heartbeat"]) + 2.0
+        """Long enough a SIGSTOP for the peer to be declared lost (heartbeat x 4)."""
+        return 4 * float(self.daemons["sender"].config["heartbeat"]) + 2.0
 
     def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle:
-        return NodeHandle(self.state, ENGINE_NODE[role],
-                          [sys.executable, "-m", "kvctl.faults.engine", role, *argv])
+        return NodeHandle(self.servers[ENGINE_NODE[role]], [role, *argv])
 
     def can_emulate(self, netem: str) -> str | None:
         return None  # the nodes run Debian's kernel: netem is a module there
@@ -147,8 +220,33 @@ class LabDeployment:
             if code != 0:
                 raise RuntimeError(f"tc netem {netem} in {node}: {err.strip()}")
 
+    def supports(self, action: str) -> str | None:
+        return None
+
     def signal(self, role: str, signum: signal.Signals) -> None:
         self.daemons[role].signal(signum.name)
+
+    def stall(self, role: str) -> None:
+        """Stop the daemon's loop from turning (SIGSTOP: no more WATCHDOG=1);
+        ``supervise`` waits for systemd's watchdog to kill it and start it again."""
+        daemon = self.daemons[role]
+        self._stalled[role] = daemon.pid
+        daemon.signal("STOP")
+
+    def starve_memlock(self, role: str) -> str | None:
+        """Restart the daemon under a 64 KiB memlock limit (a drop-in in /run,
+        gone at ``supervise``); the line in which it refused, if it did."""
+        daemon = self.daemons[role]
+        dropin = f"/run/systemd/system/{daemon.unit}.d"
+        run_in(daemon.node, ["sh", "-c", f"mkdir -p {dropin} && printf '[Service]\\n"
+                             f"LimitMEMLOCK=64K\\n' > {dropin}/memlock.conf && "
+                             f"systemctl daemon-reload && systemctl restart {daemon.unit}"],
+               state=self.state)  # fails: the daemon exits before READY=1
+        self._starved.add(role)
+        self._explicit_restarts += 1
+        refusals = [line for line in daemon.log_tail(40).splitlines()
+                    if "RLIMIT_MEMLOCK" in line]
+        return refusals[-1].strip() if refusals else None
 
     def restart(self, role: str) -> None:
         daemon = self.daemons[role]
@@ -160,7 +258,23 @@ class LabDeployment:
 
     def supervise(self) -> None:
         """systemd restarts what died; wait until both serve again."""
+        for role in sorted(self._starved):  # the memlock limit back as shipped
+            daemon = self.daemons[role]
+            run_in(daemon.node, ["sh", "-c", f"rm -rf /run/systemd/system/{daemon.unit}.d && "
+                                 f"systemctl daemon-reload && systemctl reset-failed "
+                                 f"{daemon.unit}; systemctl restart {daemon.unit}"],
+                   state=self.state)
+        self._starved.clear()
         deadline = time.monotonic() + BACK_WITHIN
+        for role, stalled in sorted(self._stalled.items()):
+            daemon = self.daemons[role]
+            while daemon.pid == stalled:
+                if time.monotonic() > deadline:
+                    daemon.signal("CONT")
+                    raise RuntimeError(f"the watchdog did not fire on the stalled {daemon.unit} "
+                                       f"within {BACK_WITHIN:g} s:\n{daemon.log_tail()}")
+                time.sleep(0.5)
+        self._stalled.clear()
         for daemon in self.daemons.values():
             while not daemon.running:
                 if time.monotonic() > deadline:

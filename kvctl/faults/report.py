@@ -14,7 +14,9 @@ from .campaign import ScenarioResult
 
 HEADERS = ["scenario", "transport", "attempted", "byte-exact", "failed (typed, by class)",
            "error p50 s", "error p99 s", "recovery p99 s", "corrupt B", "leaked B", "hangs",
-           "untyped", "split", "decode not told", "restarts"]
+           "untyped", "split", "decode not told", "restarts", "took s"]
+# Every error must surface within this (the campaign's bar for a fault).
+ERROR_BAR_SECONDS = 10.0
 
 
 def _seconds(value: float | None) -> str:
@@ -33,13 +35,18 @@ def rows(results: list[ScenarioResult]) -> list[list[Any]]:
                     classes or "-", _seconds(d["error_seconds_p50"]),
                     _seconds(d["error_seconds_p99"]), _seconds(d["recovery_seconds_p99"]),
                     d["corrupt_bytes"], d["leaked_bytes"], d["hangs"], d["untyped_errors"],
-                    d["split_outcomes"], d["decode_not_told"], d["restarts"]])
+                    d["split_outcomes"], d["decode_not_told"], d["restarts"],
+                    f"{d['seconds']:.0f}"])
     return out
 
 
 def render(results: list[ScenarioResult]) -> str:
     lines = [table.render(HEADERS, rows(results))]
     lines += [f"{r.name}: not run: {r.not_run}" for r in results if r.not_run]
+    slow = [f"{r.name} ({max(r.error_seconds):.1f} s)" for r in results
+            if r.error_seconds and max(r.error_seconds) >= ERROR_BAR_SECONDS]
+    if slow:
+        lines.append(f"errors slower than {ERROR_BAR_SECONDS:g} s: {', '.join(slow)}")
     bad = [r.name for r in results if not r.clean]
     lines.append("every scenario clean: 0 corrupt bytes, 0 leaks, 0 hangs, 0 untyped errors, "
                  "0 split outcomes" if not bad else
@@ -47,9 +54,12 @@ def render(results: list[ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
-def document(results: list[ScenarioResult]) -> dict[str, Any]:
+def document(results: list[ScenarioResult], setup: dict[str, Any] | None = None
+             ) -> dict[str, Any]:
+    """The whole campaign; ``setup`` says where it ran and what it pushed."""
     return {"scenarios": [r.to_dict() for r in results], "commit": _commit(),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **(setup or {})}
 
 
 def _commit() -> str:
@@ -58,9 +68,10 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def write(results: list[ScenarioResult], out_dir: Path) -> list[Path]:
+def write(results: list[ScenarioResult], out_dir: Path,
+          setup: dict[str, Any] | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = document(results)
+    doc = document(results, setup)
     json_path = out_dir / "faults.json"
     json_path.write_text(json.dumps(doc, indent=2) + "\n")
     csv_path = out_dir / "faults.csv"

@@ -20,7 +20,7 @@ class Scenario:
     netem: str | None = None  # on the wire for the whole push
     blackout: float = 0.0  # seconds of 100 % loss, from the fault point
     target: str | None = None  # receiver, sender (daemons); prefill, decode (engines)
-    action: str | None = None  # kill, stop, restart, pool-full, staging-full
+    action: str | None = None  # kill, stop, stall, restart, memlock, pool-full, ...
     at: tuple[str, ...] = ()
     transports: frozenset[str] = field(default_factory=lambda: frozenset({"tcp", "verbs"}))
 
@@ -55,10 +55,16 @@ SCENARIOS: tuple[Scenario, ...] = (
              target="receiver", action="restart", at=PUSH_POINTS),
     Scenario("restart-sender", "process", "a clean restart of the sender under load",
              target="sender", action="restart", at=PUSH_POINTS),
+    Scenario("watchdog-receiver", "process", "the receiver's loop stalls (SIGSTOP): systemd's "
+             "watchdog kills it and starts it again", target="receiver", action="stall",
+             at=("half",)),
     Scenario("pool-full", "resource", "receive pool held full past lease_wait",
              action="pool-full"),
     Scenario("staging-full", "resource", "staging held full by other engines",
              action="staging-full"),
+    Scenario("memlock-receiver", "resource", "the receiver restarted with LimitMEMLOCK=64K: "
+             "it must refuse to start and say why", target="receiver", action="memlock",
+             at=("half",)),
 )
 
 # A few scenarios, a few iterations: the campaign's own test in `make test`.
