@@ -201,9 +201,9 @@ class NetnsDeployment:
     def pool_used(self) -> dict[str, int]:
         """Bytes the receive pool and the staging pool hold, from the daemons' metrics."""
         used: dict[str, int] = {}
-        for role, host, port in (("receiver", self.pair.decode, 9471),
-                                 ("sender", self.pair.prefill, 9472)):
-            status = scrape_in(self.pair, host, port)
+        for role, daemon in self.daemons.items():
+            port = int(str(daemon.config["metrics"]).rpartition(":")[2])
+            status = scrape_in(self.pair, daemon.host, port)
             used[role] = int(sum(value for (name, labels), value in status.samples.items()
                                  if name == "kvwire_pool_bytes" and ("state", "used") in labels))
         return used
