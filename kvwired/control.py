@@ -56,12 +56,7 @@ class ControlConnection:
         limit = timeout if timeout is not None else self.heartbeat * MISSED_PINGS
         while True:
             try:
-                msg = await asyncio.wait_for(self.stream.receive(), limit)
-            except TimeoutError:
-                raise PeerLost(
-                    f"{self.label} sent nothing for {limit:g} s",
-                    hint="the peer or the network between the nodes is down",
-                ) from None
+                msg = await self._receive_within(limit)
             except ssl.SSLError as exc:
                 # TLS 1.3: a peer that refuses our certificate says so on the
                 # first read after the handshake, not in it.
@@ -77,6 +72,30 @@ class ControlConnection:
             if msg["t"] == "pong":
                 continue
             return msg
+
+    async def _receive_within(self, limit: float) -> Message | None:
+        """The next frame, unless the peer is silent for ``limit`` seconds.
+
+        Silence is measured on our clock, and our clock runs on while this
+        process cannot: stopped (SIGSTOP), or starved of CPU. On waking, the
+        deadline has passed and the peer's frames sent meanwhile sit unread in
+        the socket; the event loop may run the timeout first (uvloop does,
+        after an epoll_wait interrupted by the stop). A deadline overshot by
+        more than a heartbeat means we were not running: look once more before
+        blaming the peer. (Found by the fault campaign: a sender stopped past
+        the heartbeat failed a push its receiver had delivered meanwhile.)
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        try:
+            return await asyncio.wait_for(self.stream.receive(), limit)
+        except TimeoutError:
+            stalled = loop.time() - began - limit > self.heartbeat
+        if stalled:
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(self.stream.receive(), self.heartbeat)
+        raise PeerLost(f"{self.label} sent nothing for {limit:g} s",
+                       hint="the peer or the network between the nodes is down")
 
     async def messages(self) -> AsyncIterator[Message]:
         while True:

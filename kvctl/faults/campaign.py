@@ -411,9 +411,9 @@ class Campaign:
                 result.split_outcomes += 1
                 result.notes.append(
                     f"{req}: prefill {prefill.get('e')} "
-                    f"({prefill.get('class', '')}), decode "
+                    f"({prefill.get('class', '')}: {prefill.get('message', '')}), decode "
                     f"{'delivered' if delivered else decode.get('e')} "
-                    f"({decode.get('class', '')})")
+                    f"({decode.get('class', '')}: {decode.get('message', '')})")
 
     def _recover(self, seed: int, result: ScenarioResult) -> float | None:
         """Probe pushes until one is delivered byte-exact; when it was."""

@@ -143,7 +143,7 @@ class NetnsDeployment:
     @property
     def stop_pause(self) -> float:
         """Long enough a SIGSTOP for the peer to be declared lost (heartbeat x 4)."""
-        return 4 * 1.0 + 2.0
+        return 4 * 1.0 + 1.0
 
     def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle:
         return ProcessHandle(subprocess.Popen(

@@ -202,7 +202,7 @@ class LabDeployment:
     @property
     def stop_pause(self) -> float:
         """Long enough a SIGSTOP for the peer to be declared lost (heartbeat x 4)."""
-        return 4 * float(self.daemons["sender"].config["heartbeat"]) + 2.0
+        return 4 * float(self.daemons["sender"].config["heartbeat"]) + 1.0
 
     def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle:
         return NodeHandle(self.servers[ENGINE_NODE[role]], [role, *argv])
@@ -230,8 +230,8 @@ class LabDeployment:
         """Stop the daemon's loop from turning (SIGSTOP: no more WATCHDOG=1);
         ``supervise`` waits for systemd's watchdog to kill it and start it again."""
         daemon = self.daemons[role]
+        daemon.signal("STOP")  # first: asking for its pid is another trip into the node
         self._stalled[role] = daemon.pid
-        daemon.signal("STOP")
 
     def starve_memlock(self, role: str) -> str | None:
         """Restart the daemon under a 64 KiB memlock limit (a drop-in in /run,
@@ -269,6 +269,11 @@ class LabDeployment:
         for role, stalled in sorted(self._stalled.items()):
             daemon = self.daemons[role]
             while daemon.pid == stalled:
+                if daemon.show("SubState").get("SubState") == "stop-watchdog":
+                    # The watchdog fired and sent SIGABRT, which a stuck loop
+                    # dies of at once; a stopped process only once continued
+                    # (else systemd waits TimeoutAbortSec, then SIGKILLs).
+                    daemon.signal("CONT")
                 if time.monotonic() > deadline:
                     daemon.signal("CONT")
                     raise RuntimeError(f"the watchdog did not fire on the stalled {daemon.unit} "
