@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -26,6 +27,12 @@ ENGINE_NODE = {"prefill": "prefill", "decode": "decode"}
 DAEMON_NODE = {"receiver": "decode", "sender": "prefill"}
 METRICS_PORT = {"receiver": "metrics_receiver", "sender": "metrics_sender"}
 BACK_WITHIN = 120.0  # systemd restarts a dead daemon after RestartSec=2; TCG is slow
+
+
+def _runtime_dropin(daemon: ServiceDaemon) -> str:
+    """The campaign's drop-in directory for a unit: in /run, so a node's
+    reboot would drop it, and apart from the lab's own in /etc."""
+    return f"/run/systemd/system/{daemon.unit}.d"
 
 
 class _Child:
@@ -66,10 +73,7 @@ class ForkServer:
     def stop(self) -> None:
         (self.directory / "stop").touch()
         self._thread.join(timeout=30)
-        for entry in self.directory.glob("*"):
-            entry.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.directory.rmdir()
+        shutil.rmtree(self.directory, ignore_errors=True)
 
     def spawn(self, argv: list[str]) -> _Child:
         child_id = uuid.uuid4().hex[:12]
@@ -85,7 +89,7 @@ class ForkServer:
                                 str(self.directory)],
                     stdout=self, stderr=self._errors, state=self.state)  # type: ignore[arg-type]
         finally:
-            for child in self._children.values():
+            for child in list(self._children.values()):  # spawn() may add one meanwhile
                 child.lines.put(None)
                 child.ended.set()
 
@@ -145,10 +149,7 @@ class NodeHandle:
             run_in(self.server.node, ["kill", "-9", str(self._child.pid)],
                    state=self.server.state)
         self._child.ended.wait(timeout=30)
-        for entry in self.release_dir.glob("*"):
-            entry.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            self.release_dir.rmdir()
+        shutil.rmtree(self.release_dir, ignore_errors=True)
 
 
 class LabDeployment:
@@ -237,7 +238,7 @@ class LabDeployment:
         """Restart the daemon under a 64 KiB memlock limit (a drop-in in /run,
         gone at ``supervise``); the line in which it refused, if it did."""
         daemon = self.daemons[role]
-        dropin = f"/run/systemd/system/{daemon.unit}.d"
+        dropin = _runtime_dropin(daemon)
         run_in(daemon.node, ["sh", "-c", f"mkdir -p {dropin} && printf '[Service]\\n"
                              f"LimitMEMLOCK=64K\\n' > {dropin}/memlock.conf && "
                              f"systemctl daemon-reload && systemctl restart {daemon.unit}"],
@@ -260,7 +261,7 @@ class LabDeployment:
         """systemd restarts what died; wait until both serve again."""
         for role in sorted(self._starved):  # the memlock limit back as shipped
             daemon = self.daemons[role]
-            run_in(daemon.node, ["sh", "-c", f"rm -rf /run/systemd/system/{daemon.unit}.d && "
+            run_in(daemon.node, ["sh", "-c", f"rm -rf {_runtime_dropin(daemon)} && "
                                  f"systemctl daemon-reload && systemctl reset-failed "
                                  f"{daemon.unit}; systemctl restart {daemon.unit}"],
                    state=self.state)
