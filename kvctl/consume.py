@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvwired import checksum
 from kvwired.client import Delivered, LayerLanded, ReceiverClient
 from kvwired.errors import KvwireError
 
@@ -47,7 +47,7 @@ async def consume_one(client: ReceiverClient, req: str, expected: np.ndarray | N
     assert delivered is not None
     view = client.view(delivered)
     try:
-        checksum_ok = zlib.crc32(view) == delivered.checksum
+        checksum_ok = checksum.of_buffer(view, delivered.shape) == delivered.checksum
         bytes_ok = None
         if expected is not None:
             raw = expected.reshape(-1).view(np.uint8)

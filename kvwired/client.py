@@ -63,7 +63,11 @@ class Delivered:
     offset: int
     length: int
     layers: int
-    checksum: int
+    checksum: int  # kvwired.checksum of the request, as the receiver hashed it
+
+    @property
+    def shape(self) -> RequestShape:
+        return RequestShape(self.layers, self.length // self.layers)
 
 
 class _Connection:

@@ -27,7 +27,7 @@ import msgpack
 from . import immediate
 from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20
 _LENGTH = struct.Struct(">I")
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import structlog
 
-from . import gate, immediate
+from . import checksum, gate, immediate
 from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
 from .daemon import Daemon, LiveSample
@@ -79,6 +78,8 @@ class Lease:
     session: SenderSession
     machine: LeaseMachine
     landed: int = 0
+    # Each landed layer's digest, taken as its immediate arrives (kvwired.checksum).
+    digests: list[int] = field(default_factory=list)
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
@@ -496,14 +497,20 @@ class ReceiverDaemon(Daemon):
             self.metrics.stale_immediates.inc()
             log.debug("stale immediate dropped", lease=lease_id, layer=layer)
             return
+        memory = self.pool.memory.view
         for n in range(lease.landed, layer + 1):
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
+            # Hashed now, while later layers are still on the wire: only the
+            # last one's digest is left for the end (see kvwired.checksum).
+            offset, length = lease.shape.layer_span(n)
+            start = lease.slot.offset + offset
+            lease.digests.append(checksum.of_layer(memory[start : start + length]))
         self.metrics.bytes.labels(session.label, "received").inc(
             (layer + 1 - lease.landed) * lease.shape.layer_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
             self._lease_event(lease, LeaseEvent.ALL_LANDED)
-            spawn(self._complete(lease), f"complete-{lease.req}")
+            self._complete(lease)
 
     def _count_received(self, session: SenderSession) -> None:
         # Writes as the transport saw them, once per immediate rather than per
@@ -529,14 +536,8 @@ class ReceiverDaemon(Daemon):
             session.conn.send(message("credits", n=session.credits_to_return))
         session.credits_to_return = 0
 
-    async def _complete(self, lease: Lease) -> None:
-        start = lease.slot.offset
-        view = self.pool.memory.view[start : start + lease.shape.total_bytes]
-        # zlib releases the GIL on large buffers: the loop keeps serving.
-        checksum = await asyncio.to_thread(zlib.crc32, view)
-        if self.leases.get(lease.id) is not lease or lease.state is not LeaseState.LANDED:
-            return  # aborted while it was being checked
-        lease.checksum = checksum
+    def _complete(self, lease: Lease) -> None:
+        lease.checksum = checksum.combine(lease.digests)
         elapsed = asyncio.get_running_loop().time() - lease.opened_at
         self.metrics.requests.labels(lease.session.label, "delivered").inc()
         self.metrics.request_seconds.labels(lease.session.label).observe(elapsed)

@@ -7,12 +7,12 @@ import os
 import socket
 import struct
 import time
-import zlib
 from pathlib import Path
 
 import msgpack
 import pytest
 
+from kvwired import checksum
 from kvwired.client import ReceiverClient, SenderClient, SyncReceiverClient, SyncSenderClient
 from kvwired.errors import (
     DaemonUnavailable,
@@ -57,7 +57,7 @@ async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
     async with await SenderClient.connect(local.sender_socket) as client:
         data = os.urandom(size)
         result = await client.push_bytes(req, "decode", data, chunk=65536)
-        assert result.checksum == zlib.crc32(data)
+        assert result.checksum == checksum.of_buffer(data)
     async with await ReceiverClient.connect(local.receiver_socket) as consumer:
         await consumer.release(req)
 
@@ -66,8 +66,8 @@ async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
     ("frame", "code", "reason"),
     [
         (struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1", "protocol", "not valid msgpack"),
-        (encode({"t": "hello", "v": 2, "role": "sender", "name": "rogue", "transports": ["tcp"]}),
-         "version", "version 2"),
+        (encode({"t": "hello", "v": 99, "role": "sender", "name": "rogue", "transports": ["tcp"]}),
+         "version", "version 99"),
         (struct.pack(">I", 1 << 30), "frame_too_large", "limit"),
         (encode(message("lease", req="r", lease=1, offset=0, key=9)), "protocol", "hello"),
     ],
@@ -355,7 +355,7 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
 async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: Path) -> None:
     daemons = await start_local(tmp_path, sender={"delivery_timeout": 0.5})
 
-    async def lost_track(lease: object) -> None:
+    def lost_track(lease: object) -> None:
         return None  # every byte landed, but no "delivered" ever goes out
 
     daemons.receiver._complete = lost_track  # type: ignore[method-assign]

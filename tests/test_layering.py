@@ -21,9 +21,9 @@ PACKAGES = ("kvwired", "kvctl")
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate",
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis"),
-    "model": ("kvwired.layout", "kvwired.protocol", "kvwired.config", "kvwired.pool",
-              "kvwired.rdma", "kvwired.metrics", "kvwired.stream", "kvwired.lifecycle",
-              "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota"),
+    "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.config",
+              "kvwired.pool", "kvwired.rdma", "kvwired.metrics", "kvwired.stream",
+              "kvwired.lifecycle", "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota"),
     "transport": ("kvwired.transport", "kvwired.transport.*"),
     "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate"),
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.sender", "kvwired.sender.*"),
@@ -53,7 +53,8 @@ MAY_IMPORT: dict[str, set[str]] = {
 # kvctl talks to the daemons through their sockets and the client library; of
 # kvwired it may use only what a user of the package may.
 KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.units",
-                    "kvwired.layout", "kvwired.analysis", "kvwired.config", "kvwired.rdma",
+                    "kvwired.layout", "kvwired.checksum", "kvwired.analysis", "kvwired.config",
+                    "kvwired.rdma",
                     "kvwired.protocol", "kvwired.localsock", "kvwired.trust",
                     "kvwired.experiments.spec",
                     "kvwired.experiments.perftest")

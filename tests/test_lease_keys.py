@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 
-from kvwired import immediate
+from kvwired import checksum, immediate
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
@@ -87,7 +86,7 @@ async def _victim_held(local: LocalDaemons) -> tuple[ReceiverClient, memoryview,
     consumer.subscribe("victim")
     async with await SenderClient.connect(local.sender_socket) as client:
         result = await client.push_bytes("victim", "decode", VICTIM, chunk=65536)
-    assert result.checksum == zlib.crc32(VICTIM)
+    assert result.checksum == checksum.of_buffer(VICTIM)
     delivered = await consumer.wait_delivered("victim", 10)
     return consumer, consumer.view(delivered), delivered.offset
 
@@ -134,7 +133,7 @@ async def test_another_sessions_key_grants_nothing(local: LocalDaemons, rogue: R
         push.layer(0)[:] = VICTIM
         push.commit(0)
         result = await push.finish()
-    assert result.checksum == zlib.crc32(VICTIM)
+    assert result.checksum == checksum.of_buffer(VICTIM)
     delivered = await consumer.wait_delivered("victim", 10)
     assert bytes(consumer.view(delivered)) == VICTIM
     await consumer.release("victim")
@@ -159,7 +158,7 @@ async def test_a_delivered_request_no_longer_takes_writes_from_its_own_sender(
     # Its one layer, with the immediate that announces it: delivered.
     assert await rogue.write(lease["key"], lease["offset"], b"\x01" * 4096,
                              imm=immediate.pack(lease["lease"], 0)) == OP_ACK
-    assert (await rogue.answer("delivered"))["checksum"] == zlib.crc32(b"\x01" * 4096)
+    assert (await rogue.answer("delivered"))["checksum"] == checksum.of_buffer(b"\x01" * 4096)
     assert await rogue.write(lease["key"], lease["offset"], b"\x02" * 4096) == OP_NAK
 
 

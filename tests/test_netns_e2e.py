@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 import uuid
-import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, receiver_config, sender_config
 from kvctl.push import push_one
 from kvctl.source import synthetic
+from kvwired import checksum
 from kvwired.client import Delivered, ReceiverClient, SenderClient
 from kvwired.errors import KvwireError, PeerLost, PoolFull, RequestTooLarge
 from kvwired.layout import GRANULARITIES, KVLayout
@@ -84,7 +84,7 @@ async def test_48mib_cache_arrives_byte_exact_at_every_granularity(
     record = await push_one(prefill, "decode", f"qwen-{granularity}", QWEN, qwen_cache,
                             chunk=granularity, receiver=decode)
     assert record.verified is True  # byte compare of the receive pool against the source
-    assert record.checksum == zlib.crc32(qwen_cache.tobytes())
+    assert record.checksum == checksum.of_buffer(qwen_cache.tobytes(), QWEN.shape())
     assert record.chunk_bytes == QWEN.granularity_bytes(granularity)
     expected_writes = {"per-token-per-layer": 98304, "per-token": 24 * 171, "per-layer": 24,
                        "whole": 1}
@@ -145,7 +145,7 @@ async def test_request_larger_than_the_pool_is_refused_clearly(start: Start) -> 
         # The sender is still fine for requests that fit.
         data = os.urandom(1 << 20)
         result = await prefill.push_bytes("fits", "decode", data)
-        assert result.checksum == zlib.crc32(data)
+        assert result.checksum == checksum.of_buffer(data)
 
 
 async def test_receiver_killed_mid_push_fails_fast_then_recovers(
@@ -179,7 +179,7 @@ async def test_receiver_killed_mid_push_fails_fast_then_recovers(
         rx.start()  # the same receiver, restarted
         record = await push_one(prefill, "decode", "after-restart", QWEN, qwen_cache,
                                 chunk="per-layer")
-        assert record.checksum == zlib.crc32(qwen_cache.tobytes())
+        assert record.checksum == checksum.of_buffer(qwen_cache.tobytes(), QWEN.shape())
     assert tx.running
 
 
@@ -207,7 +207,7 @@ async def test_receiver_host_that_vanishes_silently_is_detected_by_heartbeat(
         # The link is back: the next push reconnects and gets through.
         record = await push_one(prefill, "decode", "link-back", QWEN, qwen_cache,
                                 chunk="per-layer")
-        assert record.checksum == zlib.crc32(qwen_cache.tobytes())
+        assert record.checksum == checksum.of_buffer(qwen_cache.tobytes(), QWEN.shape())
     assert rx.running and tx.running
 
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from kvwired import checksum
 from kvwired.client import Delivered, ReceiverClient, SenderClient
 from kvwired.errors import DeadlineExceeded, RequestAborted
 from kvwired.layout import RequestShape
@@ -127,7 +127,7 @@ async def test_a_view_kept_after_finish_cannot_reach_a_later_push(
         result = await second.finish()
         delivered: Delivered = await consumer.wait_delivered("second", timeout=10)
         assert bytes(consumer.view(delivered)) == expected
-        assert result.checksum == zlib.crc32(expected)
+        assert result.checksum == checksum.of_buffer(expected, SHAPE)
         await consumer.release("second")
     await _pools_empty(local)
 

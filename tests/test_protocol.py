@@ -22,6 +22,7 @@ from kvwired.errors import (
 from kvwired.protocol import (
     CONTROL,
     MAX_FRAME,
+    PROTOCOL_VERSION,
     RECEIVER_LOCAL,
     SENDER_LOCAL,
     FrameDecoder,
@@ -79,11 +80,12 @@ def _body(obj: object) -> bytes:
         (_body({"t": "hello", "v": 99, "role": "sender", "name": "p", "transports": []}),
          VersionMismatch, "version 99"),
         (_body({"t": "hello", "role": "sender"}), VersionMismatch, "version None"),
-        (_body({"t": "teleport", "v": 1}), ProtocolError, "unknown message type"),
-        (_body({"t": "lease", "v": 1, "req": "r", "lease": 1}), ProtocolError, "lacks field"),
-        (_body({"t": "lease", "v": 1, "req": "r", "lease": "1", "offset": 0}),
+        (_body({"t": "teleport", "v": PROTOCOL_VERSION}), ProtocolError, "unknown message type"),
+        (_body({"t": "lease", "v": PROTOCOL_VERSION, "req": "r", "lease": 1}), ProtocolError,
+         "lacks field"),
+        (_body({"t": "lease", "v": PROTOCOL_VERSION, "req": "r", "lease": "1", "offset": 0}),
          ProtocolError, "expected int"),
-        (_body({"t": "credits", "v": 1, "n": True}), ProtocolError, "is bool"),
+        (_body({"t": "credits", "v": PROTOCOL_VERSION, "n": True}), ProtocolError, "is bool"),
     ],
 )
 def test_malformed_frames_are_rejected_with_reason(
@@ -168,7 +170,7 @@ def test_any_map_validates_or_is_a_protocol_error(
         channel: str, fields: dict[str, Any], data: st.DataObject) -> None:
     schema = SCHEMAS[channel]
     kind = data.draw(st.sampled_from(sorted(schema)))
-    for candidate in (fields, {**fields, "t": kind, "v": 1}):
+    for candidate in (fields, {**fields, "t": kind, "v": PROTOCOL_VERSION}):
         try:
             msg = decode(_body(candidate), schema)
         except ProtocolError:

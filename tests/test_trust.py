@@ -9,7 +9,6 @@ import asyncio
 import dataclasses
 import os
 import ssl
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import structlog
 from prometheus_client import generate_latest
 
 from kvctl.keys import issue, local_cluster
+from kvwired import checksum
 from kvwired.cli import build_daemon
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.config import SenderConfig, build
@@ -37,7 +37,7 @@ async def _push_ok(local: LocalDaemons, req: str, peer: str = "decode") -> None:
     data = os.urandom(1 << 20)
     async with await SenderClient.connect(local.sender_socket) as client:
         result = await client.push_bytes(req, peer, data, chunk=65536)
-    assert result.checksum == zlib.crc32(data)
+    assert result.checksum == checksum.of_buffer(data)
     async with await ReceiverClient.connect(local.receiver_socket) as consumer:
         await consumer.release(req)
 

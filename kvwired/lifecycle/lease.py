@@ -24,7 +24,7 @@ from . import StateMachine, Transition
 
 class LeaseState(Enum):
     FILLING = auto()  # leased; the sender's writes are landing
-    LANDED = auto()  # every layer announced; the checksum is being computed
+    LANDED = auto()  # every layer announced; the checksum is being combined
     HELD = auto()  # delivered; held for the decode engine
     ABORTING = auto()  # aborted by this side; the sender's writes may still land
     FREED = auto()  # the slot is back in the pool
