@@ -36,16 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
 def build_daemon(config: CommonConfig) -> Daemon:
     """A daemon for ``config``, with the experiments of its role plugged in."""
     if isinstance(config, ReceiverConfig):
+        from .experiments.baseline import BaselineService
         from .experiments.echo import EchoService
-        from .experiments.perftest import BaselineService
         from .receiver import ReceiverDaemon
 
         return ReceiverDaemon(config, services=[EchoService(), BaselineService()])
     assert isinstance(config, SenderConfig)
-    from .experiments import chunk_sweep
+    from .experiments import chunk_sweep, socket_loop
     from .sender import SenderDaemon
 
-    return SenderDaemon(config, experiments={"chunk-sweep": chunk_sweep.run})
+    return SenderDaemon(config, experiments={"chunk-sweep": chunk_sweep.run,
+                                             "socket-loop": socket_loop.run})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,6 +135,26 @@ async def test_writes_land_byte_exact_at_remote_offsets(pair: Pair, chunk: int) 
     channel.close()
 
 
+async def test_large_and_small_writes_mixed_land_byte_exact(pair: Pair) -> None:
+    # Sizes around the TCP responder's switch between its bounce buffer and
+    # receiving in place (64 KiB), and its header-alone read after a large write.
+    sizes = [100_000, 512, 70_000, 32, 2 << 20, 1, 65536, 65535, 65537, 12288, 1 << 20, 7]
+    channel = await pair.connect()
+    payload = os.urandom(sum(sizes))
+    pair.src_memory.view[: len(payload)] = payload
+    offsets = [sum(sizes[:n]) for n in range(len(sizes))]
+    posts = [channel.post([Write(o, o, size)], imm=n)
+             for n, (o, size) in enumerate(zip(offsets, sizes, strict=True))]
+    # Two writes per post too: a large one behind a small one.
+    posts.append(channel.post([Write(0, SIZE // 2, 16), Write(16, SIZE // 2 + 16, 300_000)],
+                              imm=99))
+    await asyncio.wait_for(asyncio.gather(*posts), 30)
+    assert pair.dst_memory.view[: len(payload)] == payload
+    assert pair.dst_memory.view[SIZE // 2 : SIZE // 2 + 300_016] == payload[:300_016]
+    await until(lambda: len(pair.immediates) == len(sizes) + 1)
+    channel.close()
+
+
 async def test_posts_complete_in_order_with_their_immediates(pair: Pair) -> None:
     channel = await pair.connect()
     futures = [channel.post([Write(i * 1024, i * 1024, 1024)], imm=i) for i in range(200)]

@@ -64,16 +64,21 @@ async def run_sweep(socket: str | None, params: dict[str, Any],
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvwire over perftest per size: latency (p50 / typical) and bandwidth."""
+    """kvwire over its baseline per size. perftest: latency (p50 / typical) and
+    streaming bandwidth; socket loop: the 48 MiB delivery's time over the loop's."""
     out = []
     for row in rows:
-        if "perftest_gbps" not in row:
-            continue
-        out.append({
-            "size": row["size"],
-            "latency_ratio": analysis.ratio(row["lat_p50_us"], row["perftest_lat_typical_us"]),
-            "bandwidth_ratio": analysis.ratio(row["stream_gbps"], row["perftest_gbps"]),
-        })
+        if "perftest_gbps" in row:
+            out.append({
+                "size": row["size"],
+                "latency_ratio": analysis.ratio(row["lat_p50_us"],
+                                                row["perftest_lat_typical_us"]),
+                "bandwidth_ratio": analysis.ratio(row["stream_gbps"], row["perftest_gbps"]),
+            })
+        elif "socket_seconds" in row and "deliver_seconds" in row:
+            out.append({"size": row["size"],
+                        "delivery_time_ratio": analysis.ratio(row["deliver_seconds"],
+                                                              row["socket_seconds"])})
     return out
 
 
@@ -81,8 +86,11 @@ def render(run: SweepRun) -> str:
     perftest = any("perftest_gbps" in r for r in run.rows)
     headers = ["size", "p50 µs", "p99 µs", "p99.9 µs", "n", "stream Gb/s", "writes/s",
                "48 MiB ms"]
+    socket = any("socket_seconds" in r for r in run.rows)
     if perftest:
         headers += ["pt lat µs", "pt Gb/s", "lat xpt", "bw xpt"]
+    if socket:
+        headers += ["loop 48 MiB ms", "48 MiB xloop"]
     body = []
     for r in run.rows:
         line: list[object] = [
@@ -97,6 +105,12 @@ def render(run: SweepRun) -> str:
                          _times(analysis.ratio(r["stream_gbps"], r["perftest_gbps"]))]
             else:
                 line += ["-"] * 4
+        if socket:
+            if "socket_seconds" in r:
+                line += [f"{r['socket_seconds'] * 1e3:.0f}",
+                         _times(analysis.ratio(r.get("deliver_seconds"), r["socket_seconds"]))]
+            else:
+                line += ["-"] * 2
         body.append(line)
     lines = ["chunk-sweep: half round trip (WRITE_WITH_IMM ping-pong), streaming writes, "
              "and the 48 MiB cache delivered at each size", table.render(headers, body)]
@@ -113,10 +127,13 @@ def render(run: SweepRun) -> str:
             lines.append(f"recommended streaming chunk: {format_size(chunk)} — "
                          f"{summary['recommendation']}")
     quoted = [r for r in ratios(run.rows) if r["size"] in RATIO_SIZES]
-    if quoted:
+    if quoted and "latency_ratio" in quoted[0]:
         lines.append("kvwire / perftest: " + "; ".join(
             f"{format_size(r['size'])}: latency {_times(r['latency_ratio'])}, "
             f"bandwidth {_times(r['bandwidth_ratio'])}" for r in quoted))
+    elif quoted:
+        lines.append("kvwire delivery time / plain socket loop, 48 MiB: " + "; ".join(
+            f"{format_size(r['size'])}: {_times(r['delivery_time_ratio'])}" for r in quoted))
     if run.error is not None:
         lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
                      f"{len(run.params.get('sizes') or []) or '?'} sizes measured)")

@@ -34,8 +34,10 @@ def add_parsers(commands: Any) -> None:
                        help="bytes streamed per size for the bandwidth figure")
     sweep.add_argument("--no-deliver", action="store_true",
                        help="skip pushing the 48 MiB cache at each size")
-    sweep.add_argument("--baseline", choices=["perftest"],
-                       help="also run ib_write_lat/ib_write_bw on the same link, same sizes")
+    sweep.add_argument("--baseline", choices=["perftest", "socket"],
+                       help="also run, on the same link at the same sizes, ib_write_lat and "
+                       "ib_write_bw (perftest: RDMA), or a plain socket loop moving the 48 MiB "
+                       "cache (socket: the TCP transport's baseline)")
 
     overlap = experiments.add_parser(
         "overlap", help="prefill compute overlapped with transfer (double-buffered)")

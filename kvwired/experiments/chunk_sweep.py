@@ -9,7 +9,10 @@ Per size, on the daemons' own data path:
 3. delivery: the whole 48 MiB reference cache pushed at that granularity
    through the real request path (lease, per-layer immediates, delivery
    confirmation), the receiver discarding it once delivered;
-4. optionally perftest on the same link (``baseline = perftest``).
+4. optionally a baseline on the same link: perftest (``baseline = perftest``:
+   latency and streaming against ib_write_lat/ib_write_bw) or a plain socket
+   loop (``baseline = socket``: the 48 MiB cache moved at that size by
+   ``sendall``/``recv_into``, against the delivery).
 
 Each finished size goes to kvctl as a ``row`` at once, so a sweep cut short
 by a vanished receiver still leaves every row it measured.
@@ -18,6 +21,7 @@ by a vanished receiver still leaves every row it measured.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,10 +37,10 @@ from ..protocol import Message, message
 from ..rdma import pick_gid
 from ..transport.base import DataChannel
 from ..units import format_size
-from . import perftest
+from . import perftest, socket_loop
 from .echo import EchoInitiator
 from .host import PeerHandle, Report, SenderHost
-from .spec import SweepParams
+from .spec import SOCKET_LOOP_ROUNDS, SweepParams
 
 log = structlog.get_logger("kvwired.experiments.chunk_sweep")
 
@@ -104,6 +108,8 @@ class ChunkSweep:
             row.update(await self._deliver(link, size, progress))
         if self.params.baseline == "perftest":
             row.update(await self._perftest(link, size, progress))
+        elif self.params.baseline == "socket":
+            row.update(await self._socket_loop(link, size, progress))
         return row
 
     # ------------------------------------------------------------ echo
@@ -195,6 +201,18 @@ class ChunkSweep:
         return {"perftest_lat_samples": lat.iterations, "perftest_lat_typical_us": lat.typical_us,
                 "perftest_lat_p99_us": lat.p99_us, "perftest_lat_p999_us": lat.p999_us,
                 "perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
+
+    async def _socket_loop(self, link: PeerHandle, size: int,
+                           progress: _Progress) -> dict[str, Any]:
+        total = KVLayout().total_bytes
+        phase = f"socket loop {format_size(size)}"
+        progress(phase, 0, 1, force=True)
+        spec = socket_loop.LoopSpec(size, max(1, total // size), SOCKET_LOOP_ROUNDS)
+        seconds = await socket_loop.measure(link, f"{self.req}-socket-{size}", spec)
+        progress(phase, 1, 1)
+        median = statistics.median(seconds)
+        return {"socket_seconds": median, "socket_rounds": seconds,
+                "socket_gbps": analysis.gbps(spec.total, median)}
 
     async def _perftest_pair(self, link: PeerHandle, tool: str, size: int, iters: int) -> str:
         """Server on the receiver, client here; a hung or failed run is tried again."""

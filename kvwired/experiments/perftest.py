@@ -6,7 +6,8 @@ the receiver runs the server side when a sender asks (``baseline`` on the
 control connection), the sender runs the client side against it.
 
 perftest can hang (it busy-polls; on a starved emulated CPU a run sometimes
-never finishes), so every run has a time limit and is killed at it.
+never finishes), so every run has a time limit and is killed at it. The
+receiver's side of a run is ``kvwired.experiments.baseline``.
 """
 
 from __future__ import annotations
@@ -16,22 +17,10 @@ import contextlib
 import shutil
 from dataclasses import dataclass
 
-import structlog
-
-from ..config import free_port
-from ..errors import ExperimentFailed, KvwireError, PerftestFailed, UsageError
-from ..protocol import Message, message
-from ..rdma import GidEntry, pick_gid
-from ..tasks import spawn
-from .host import ReceiverHost, SessionHandle
-
-log = structlog.get_logger("kvwired.experiments.perftest")
+from ..errors import PerftestFailed, UsageError
+from ..rdma import GidEntry
 
 TOOLS = ("ib_write_lat", "ib_write_bw")
-# How long a server waits for its client before giving up on its own.
-SERVER_LINGER = 120.0
-# How long a server may take to exit once its client is done before it is killed.
-SERVER_EXIT_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -132,58 +121,3 @@ def parse_bandwidth(output: str, size: int) -> BandwidthFigures:
         return BandwidthFigures(size, int(row[1]), float(row[3]), float(row[4]))
     except (IndexError, ValueError) as exc:
         raise PerftestFailed(f"unreadable ib_write_bw row: {' '.join(row)}") from exc
-
-
-class BaselineService:
-    """The receiver's side of the perftest baseline (a ``ReceiverService``):
-    the server half of one measurement per ``baseline`` request."""
-
-    messages = frozenset({"baseline", "baseline_stop"})
-
-    def __init__(self) -> None:
-        self._host: ReceiverHost | None = None
-        self._servers: dict[str, tuple[SessionHandle, asyncio.subprocess.Process]] = {}
-
-    def bind(self, receiver: ReceiverHost) -> None:
-        self._host = receiver
-
-    def handle(self, session: SessionHandle, msg: Message) -> None:
-        if msg["t"] == "baseline":
-            spawn(self._serve(session, msg), f"baseline-{msg['req']}")
-            return
-        entry = self._servers.get(msg["req"])
-        if entry is not None and entry[0] is session:
-            # The server exits once its client is done; a hung one is killed.
-            asyncio.get_running_loop().call_later(SERVER_EXIT_GRACE, kill, entry[1])
-
-    def on_immediate(self, session: SessionHandle, lease_id: int, layer: int) -> bool:
-        return False
-
-    def session_closed(self, session: SessionHandle) -> None:
-        for owner, proc in list(self._servers.values()):
-            if owner is session:
-                kill(proc)
-
-    async def _serve(self, session: SessionHandle, msg: Message) -> None:
-        req = msg["req"]
-        assert self._host is not None, "service not bound to a receiver"
-        cfg = self._host.config
-        try:
-            if self._host.transport.name != "verbs":
-                raise ExperimentFailed(
-                    "the perftest baseline needs RDMA; this receiver runs over tcp",
-                    hint="run the daemons with transport = verbs, or drop --baseline")
-            gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
-            port = free_port("")
-            proc = await start_server(command(msg["tool"], gid, msg["size"], msg["iters"], port))
-        except KvwireError as exc:
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
-            return
-        self._servers[req] = (session, proc)
-        session.conn.send(message("baseline_ready", req=req, port=port))
-        try:
-            await asyncio.wait_for(proc.wait(), SERVER_LINGER)
-        except TimeoutError:
-            kill(proc)
-        finally:
-            self._servers.pop(req, None)

@@ -16,6 +16,10 @@ MiB = 1 << 20
 DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
                  8 * MiB, 48 * MiB)
 PERFTEST_TRIES = 3
+# perftest: ib_write_lat/ib_write_bw; socket: a plain socket loop moving the
+# 48 MiB cache at each size, against which the delivery is compared.
+BASELINES = ("", "perftest", "socket")
+SOCKET_LOOP_ROUNDS = 3
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 
 
@@ -53,8 +57,9 @@ class SweepParams:
             raise UsageError("chunk-sweep takes 1 to 64 positive sizes")
         if built.iters < 1:
             raise UsageError("--iters must be at least 1")
-        if built.baseline not in ("", "perftest"):
-            raise UsageError(f"unknown baseline {built.baseline!r}", hint="use perftest")
+        if built.baseline not in BASELINES:
+            raise UsageError(f"unknown baseline {built.baseline!r}",
+                             hint="use perftest (RDMA) or socket (a plain TCP loop)")
         return built
 
     def pings(self, size: int) -> int:

@@ -90,6 +90,8 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         # to end (a revocation: its bytes must not land after the slot is reused).
         self._direct_key: int | None = None
         self._after_direct: list[Callable[[], None]] = []
+        # The last write was large: expect the next to be too (see get_buffer).
+        self._large_writes = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -147,6 +149,11 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
             tail = self._end - self._start
             self._bounce_view[:tail] = self._bounce_view[self._start : self._end]
             self._start, self._end = 0, tail
+        if self._large_writes and self._end - self._start < HEADER.size:
+            # Large writes are coming: read the next header alone, so that
+            # its payload is received in place rather than through the
+            # bounce buffer and copied (half of each 2 MiB layer was, before).
+            return self._bounce_view[self._end : self._start + HEADER.size]
         return self._bounce_view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -189,6 +196,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
                 return
             body = self._start + HEADER.size
             available = self._end - body
+            self._large_writes = length >= DIRECT_THRESHOLD
             if available >= length:
                 memory[offset : offset + length] = view[body : body + length]
                 self._start = body + length
