@@ -37,6 +37,16 @@ class PushRecord:
     first_layer_seconds: float | None  # commit(0) to layer 0 seen by the decode engine
     checksum: int
     verified: bool | None
+    # The engine's own copies into staging, within ``seconds``.
+    write_seconds: float = 0.0
+    # Written in full before the first commit (``staged``): ``seconds`` minus
+    # ``write_seconds`` is then kvwire's time alone, with nothing overlapped.
+    staged: bool = False
+
+    @property
+    def moved_seconds(self) -> float | None:
+        """Open to delivered without the engine's writes (staged pushes only)."""
+        return self.seconds - self.write_seconds if self.staged else None
 
     @property
     def gbps(self) -> float:
@@ -49,7 +59,7 @@ class PushRecord:
                 f"{self.seconds * 1e3:.1f}", f"{self.gbps:.2f}", first, verified]
 
     def to_dict(self) -> dict[str, object]:
-        return {**asdict(self), "gbps": self.gbps}
+        return {**asdict(self), "gbps": self.gbps, "moved_seconds": self.moved_seconds}
 
 
 HEADERS = ["request", "chunk", "writes", "total ms", "Gb/s", "first layer ms", "byte-exact"]
@@ -64,11 +74,16 @@ async def push_one(
     chunk: str | int | None = None,
     receiver: ReceiverClient | None = None,
     deadline: float | None = None,
+    staged: bool = False,
 ) -> PushRecord:
     """Push ``data`` (uint8, the layout's total bytes long) as request ``req``.
 
     A named ``chunk`` resolves against ``layout``: give a ``KVLayout`` for the
-    token granularities, a ``RequestShape`` knows its layers only.
+    token granularities, a ``RequestShape`` knows its layers only. Layers are
+    written and committed one by one, as a prefill engine produces them;
+    ``staged`` writes them all first, then commits them all, so the record's
+    ``moved_seconds`` is kvwire's part alone (as a plain socket loop's data
+    is all in its buffer before it starts).
     """
     shape = layout.shape() if isinstance(layout, KVLayout) else layout
     raw = memoryview(data.reshape(-1).view(np.uint8).data)
@@ -79,12 +94,20 @@ async def push_one(
         watcher = asyncio.create_task(_watch(receiver, req))
     try:
         push = await sender.open(req, peer, layout, chunk=chunk, deadline=deadline)
+        write_seconds = 0.0
         for n in range(shape.layers):
             offset, length = shape.layer_span(n)
+            started = time.perf_counter()
             push.layer(n)[:] = raw[offset : offset + length]
-            if n == 0:
-                first_commit = time.perf_counter()
-            push.commit(n)
+            write_seconds += time.perf_counter() - started
+            if not staged:
+                if n == 0:
+                    first_commit = time.perf_counter()
+                push.commit(n)
+        if staged:
+            first_commit = time.perf_counter()
+            for n in range(shape.layers):
+                push.commit(n)
         result = await push.finish()
     except BaseException:
         if watcher is not None:
@@ -112,7 +135,8 @@ async def push_one(
         if not verified:
             raise VerificationFailed(f"request {req}: bytes at the receiver differ from those sent")
     return PushRecord(req, push.chunk_bytes, shape.total_bytes, int(result.timings["writes"]),
-                      result.seconds, first_layer, result.checksum, verified)
+                      result.seconds, first_layer, result.checksum, verified,
+                      write_seconds, staged)
 
 
 def _same_bytes(got: memoryview, sent: memoryview) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,6 +50,7 @@ log = structlog.get_logger("kvwired.receiver")
 
 HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.FREED)
 MAX_PEER_LABELS = 32
+HASH_THREADS = 2
 
 
 class Consumer:
@@ -78,8 +80,8 @@ class Lease:
     session: SenderSession
     machine: LeaseMachine
     landed: int = 0
-    # Each landed layer's digest, taken as its immediate arrives (kvwired.checksum).
-    digests: list[int] = field(default_factory=list)
+    # Each landed layer's digest, hashed as its immediate arrives (kvwired.checksum).
+    digests: list[asyncio.Future[int]] = field(default_factory=list)
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
@@ -150,6 +152,10 @@ class ReceiverDaemon(Daemon):
         self.subscribers: dict[str, set[Consumer]] = {}
         self.sessions: set[SenderSession] = set()
         self._lease_ids: set[int] = set()  # the request path's and the services'
+        # Layers are hashed here as they land: XXH3 releases the GIL, so the
+        # loop keeps receiving meanwhile. Two threads, so that a request
+        # whose layers all land at once (one write) is hashed in half the time.
+        self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvwire-hash")
         self._next_lease = 1
         self.control_port = 0
         self._control_server: gate.Listener | None = None
@@ -261,6 +267,8 @@ class ReceiverDaemon(Daemon):
                 session.conn.send(message("bye", reason="the receiver is shutting down"))
             self._drop_session(session, PeerLost("the receiver is shutting down"))
         await self.transport.stop()
+        # No hash may still be reading the pool once it can be unmapped.
+        await asyncio.to_thread(self._hasher.shutdown)
 
     # ------------------------------------------------------------- senders
 
@@ -498,19 +506,28 @@ class ReceiverDaemon(Daemon):
             log.debug("stale immediate dropped", lease=lease_id, layer=layer)
             return
         memory = self.pool.memory.view
+        loop = asyncio.get_running_loop()
         for n in range(lease.landed, layer + 1):
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
-            # Hashed now, while later layers are still on the wire: only the
-            # last one's digest is left for the end (see kvwired.checksum).
+            # Hashed now, beside the loop, while later layers are still on
+            # the wire: only the last one is left for the end (kvwired.checksum).
             offset, length = lease.shape.layer_span(n)
             start = lease.slot.offset + offset
-            lease.digests.append(checksum.of_layer(memory[start : start + length]))
+            view = memory[start : start + length]
+            if n < lease.shape.layers - 1:
+                lease.digests.append(loop.run_in_executor(self._hasher, checksum.of_layer, view))
+            else:
+                # The last layer: hashed here, at once, rather than after a
+                # hop to a worker and back (1 ms of the 1.3 ms measured).
+                last: asyncio.Future[int] = loop.create_future()
+                last.set_result(checksum.of_layer(view))
+                lease.digests.append(last)
         self.metrics.bytes.labels(session.label, "received").inc(
             (layer + 1 - lease.landed) * lease.shape.layer_bytes)
         lease.landed = layer + 1
         if lease.landed == lease.shape.layers:
             self._lease_event(lease, LeaseEvent.ALL_LANDED)
-            self._complete(lease)
+            spawn(self._complete(lease), f"complete-{lease.req}")
 
     def _count_received(self, session: SenderSession) -> None:
         # Writes as the transport saw them, once per immediate rather than per
@@ -536,8 +553,11 @@ class ReceiverDaemon(Daemon):
             session.conn.send(message("credits", n=session.credits_to_return))
         session.credits_to_return = 0
 
-    def _complete(self, lease: Lease) -> None:
-        lease.checksum = checksum.combine(lease.digests)
+    async def _complete(self, lease: Lease) -> None:
+        digests = await asyncio.gather(*lease.digests)
+        if self.leases.get(lease.id) is not lease or lease.state is not LeaseState.LANDED:
+            return  # aborted while its last layers were being hashed
+        lease.checksum = checksum.combine(digests)
         elapsed = asyncio.get_running_loop().time() - lease.opened_at
         self.metrics.requests.labels(lease.session.label, "delivered").inc()
         self.metrics.request_seconds.labels(lease.session.label).observe(elapsed)

@@ -355,7 +355,7 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
 async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: Path) -> None:
     daemons = await start_local(tmp_path, sender={"delivery_timeout": 0.5})
 
-    def lost_track(lease: object) -> None:
+    async def lost_track(lease: object) -> None:
         return None  # every byte landed, but no "delivered" ever goes out
 
     daemons.receiver._complete = lost_track  # type: ignore[method-assign]
