@@ -74,10 +74,9 @@ async def netns_demo(repeat: int = 3, out: TextIO = sys.stdout,
               f"and verified):", file=out)
         print(table.render(HEADERS, [r.row() for r in records]), file=out)
         print(f"\nagainst a plain socket loop moving the same {format_size(layout.total_bytes)} "
-              f"in the same chunks on the same link (sendall/recv_into; median of {repeat} "
-              f"each). 'kvwire ms' is open -> delivered with every layer written into "
-              f"staging first, as the loop's bytes are in its buffer before it starts:",
-              file=out)
+              f"in the same chunks on the same link\n(sendall/recv_into; median of {repeat} "
+              f"each). 'kvwire ms': open -> delivered, every layer written\ninto staging "
+              f"before the first commit, as the loop's bytes are in its buffer:", file=out)
         print(table.render(COMPARE_HEADERS, [_compare_cells(c) for c in comparisons]),
               file=out)
         fastest = max(records, key=lambda r: r.gbps)
