@@ -4,9 +4,12 @@ Boots the lab (unless one is up), installs and starts
 ``kvwired-receiver.service`` on ``decode`` and ``kvwired-sender.service`` on
 ``prefill`` under the nodes' systemd (verbs over rxe0), then on the prefill
 node, as a user would there: ``kvctl probe``, ``kvctl run chunk-sweep --baseline perftest``
-and ``kvctl run overlap``. The figures, CSV/JSON and plots land in
-``results/`` on the host, with a summary; the lab goes down again if the
-demo booted it.
+and ``kvctl run overlap``. Then the same daemons over the TCP transport run
+``kvctl run chunk-sweep --baseline socket`` on the same wire: kvwire's TCP
+path against a plain socket loop between the same nodes. The figures,
+CSV/JSON and plots land in ``results/`` on the host (the TCP sweep's in
+``results/tcp/``), with a summary; the lab goes down again if the demo
+booted it.
 
 Iteration counts are trimmed so the whole demo stays well inside 15 minutes
 on a 2-core host: Soft-RoCE under emulation moves a few hundred Mb/s.
@@ -34,6 +37,10 @@ SWEEP_ARGS = ("--iters", "300", "--latency-bytes", "32MiB", "--stream-bytes", "3
 # a layer: the compute time the overlap experiment places the deployment at.
 LAYER_COMPUTE = "0.6ms"
 OVERLAP_ARGS = ("--repeats", "2", "--layer-compute", LAYER_COMPUTE)
+# kvwire's TCP transport against the plain loop on the wire: a layer's chunk
+# and the whole cache (a 512 B loop is 98,304 Python calls per round there).
+TCP_SWEEP_ARGS = ("--sizes", "2MiB,48MiB", "--iters", "20", "--latency-bytes", "8MiB",
+                  "--stream-bytes", "8MiB", "--baseline", "socket")
 
 
 def _kvctl(*args: str) -> list[str]:
@@ -85,10 +92,10 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
                 tx.stop()
         finally:
             rx.stop()
+        sections.append(_tcp_against_socket_loop(state, node_results / "tcp", out))
         # Before the lab goes down: its shared directory goes with it.
         results.mkdir(parents=True, exist_ok=True)
-        for item in node_results.iterdir():
-            shutil.copy2(item, results / item.name)
+        shutil.copytree(node_results, results, dirs_exist_ok=True)
     finally:
         if started_here:
             machine.down()
@@ -97,6 +104,25 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
     print("\n" + summary, file=out)
     print(f"\nresults: {results.resolve()}/ (summary.txt, CSV, JSON, PNG plots)", file=out)
     return results
+
+
+def _tcp_against_socket_loop(state: LabState, out_dir: Path, out: TextIO) -> str:
+    """The daemons again, over TCP on the same wire, against the plain socket loop."""
+    rx = ServiceDaemon("decode", "receiver", receiver_config(transport="tcp"), state)
+    tx = ServiceDaemon("prefill", "sender", sender_config(transport="tcp"), state)
+    print("\nrestarting both daemons over the TCP transport, same wire ...", file=out,
+          flush=True)
+    rx.start()
+    try:
+        tx.start()
+        try:
+            return _step(state, "kvctl run chunk-sweep --baseline socket (transport tcp)",
+                         _kvctl("run", "chunk-sweep", "--socket", tx.socket, *TCP_SWEEP_ARGS,
+                                "--out", str(out_dir)), out)
+        finally:
+            tx.stop()
+    finally:
+        rx.stop()
 
 
 def _summary(results: Path, seconds: float) -> str:
@@ -113,6 +139,14 @@ def _summary(results: Path, seconds: float) -> str:
     lines.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
                  f"speedup {o['peak_speedup']:.2f} at Tc/Tx = {o['peak_speedup_ratio']:g} "
                  f"({o['peak_efficiency']:.0%} of ideal)")
+    tcp = results / "tcp" / "chunk-sweep.json"
+    if tcp.exists():
+        for ratio in json.loads(tcp.read_text())["ratios"]:
+            if ratio.get("delivery_time_ratio") is None:
+                continue
+            lines.append(f"kvwire tcp / plain socket loop on the wire, 48 MiB in "
+                         f"{format_size(ratio['size'])} writes: time "
+                         f"x{ratio['delivery_time_ratio']:.2f}")
     if "deployment_side" in o:
         lines.append(f"at {LAYER_COMPUTE} compute per layer this link is {o['deployment_side']}: "
                      f"{o['deployment_meaning']}")
