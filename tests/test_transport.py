@@ -155,21 +155,6 @@ async def test_large_and_small_writes_mixed_land_byte_exact(pair: Pair) -> None:
     channel.close()
 
 
-async def test_polling_briefly_sees_an_immediate_without_the_loop(pair: Pair) -> None:
-    channel = await pair.connect()
-    assert pair.responder is not None
-    posted = channel.post([Write(0, 0, 512)], imm=5)
-    seen = pair.responder.poll_briefly(lambda: pair.immediates == [5], 10.0)
-    if pair.name == "verbs":
-        # Handled inside the poll: the ping-pong's echo needs no wake-up.
-        assert seen and pair.immediates == [5]
-    else:
-        assert not seen  # a stream has no queue to poll: the loop delivers it
-    await asyncio.wait_for(posted, 10)
-    await until(lambda: pair.immediates == [5])
-    channel.close()
-
-
 async def test_posts_complete_in_order_with_their_immediates(pair: Pair) -> None:
     channel = await pair.connect()
     futures = [channel.post([Write(i * 1024, i * 1024, 1024)], imm=i) for i in range(200)]

@@ -35,11 +35,6 @@ from .host import Connection, ReceiverHost, SessionHandle
 log = structlog.get_logger("kvwired.experiments.echo")
 
 MAX_SIZES = immediate.MAX_LAYERS
-# How long a ping's sender polls its completion queue for the echo before it
-# sleeps on the event loop: a wake-up through epoll and the loop costs more
-# than the round trip itself on a fast link, and a ping waits for nothing
-# else. Bounded, so a lost echo holds the loop this long at most.
-REPLY_POLL_SECONDS = 0.005
 
 
 def check_sizes(sizes: list[Any], region: int) -> list[int]:
@@ -70,7 +65,6 @@ class EchoLease:
     reply_offset: int = 0
     answered: int = 0
     key: int = 0  # the sender's key for the echo slot's bytes
-    polling: bool = False  # a poll for the next ping is scheduled
 
     async def offer(self, transport: Transport) -> Message:
         self.initiator = transport.initiator(self.conn.local_host)
@@ -144,20 +138,7 @@ class EchoService:
         if echo is None or self._owners.get(lease_id) is not session:
             return False
         echo.answer(layer, lambda exc: self._failed(session, echo, exc))
-        if not echo.polling:
-            # The next ping follows the echo at once: poll for it, from the
-            # top of the loop (this runs inside a drain of the same queue).
-            echo.polling = True
-            asyncio.get_running_loop().call_soon(self._poll_for_next, session, echo)
         return True
-
-    def _poll_for_next(self, session: SessionHandle, echo: EchoLease) -> None:
-        echo.polling = False
-        answered = echo.answered
-        if session.responder is not None and self.echoes.get(echo.id) is echo:
-            session.responder.poll_briefly(
-                lambda: echo.answered > answered or self.echoes.get(echo.id) is not echo,
-                REPLY_POLL_SECONDS)
 
     def session_closed(self, session: SessionHandle) -> None:
         for echo_id, owner in list(self._owners.items()):
@@ -277,12 +258,8 @@ class EchoInitiator:
         self._pending = asyncio.get_running_loop().create_future()
         size = self.sizes[index]
         started = time.perf_counter()
-        pending = self._pending
         posted = channel.post([Write(self.slot.offset, self.remote_offset, size)],
                               immediate.pack(self.lease, index), self.key)
-        if self.responder is not None:
-            # The echo is due at once: poll for it before sleeping on the loop.
-            self.responder.poll_briefly(pending.done, REPLY_POLL_SECONDS)
         try:
             async with asyncio.timeout(timeout):
                 answered = await self._pending

@@ -155,14 +155,6 @@ class Responder(ABC):
         """Receives waiting for immediates (verbs); a stream needs none."""
         return 0
 
-    def poll_briefly(self, done: Callable[[], bool], seconds: float) -> bool:
-        """Poll for completions in place, for at most ``seconds``, until
-        ``done()``; whether it came. For a caller that has just sent what an
-        immediate will answer at once (a ping): it skips the wake-up through
-        the event loop, at the price of holding the loop while it polls.
-        Transports without a completion queue to poll return False at once."""
-        return False
-
     @abstractmethod
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
         """Prepare to receive (receives posted, listener armed); return the answer."""

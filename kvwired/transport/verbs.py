@@ -218,17 +218,6 @@ class _CompletionQueue:
             self._last_activity = time.perf_counter()
             self._on_completions(completions)
 
-    def poll_until(self, done: Callable[[], bool], seconds: float) -> bool:
-        """Drain in a tight loop until ``done()`` or ``seconds`` pass."""
-        deadline = time.perf_counter() + seconds
-        while not self.closed:
-            self.drain()
-            if done():
-                return True
-            if time.perf_counter() >= deadline:
-                return False
-        return False
-
     def kick(self) -> None:
         """Work was just posted or completed: poll for a while before sleeping."""
         if self._spin_seconds <= 0 or self.closed:
@@ -653,11 +642,6 @@ class VerbsResponder(Responder):
     def receives_posted(self) -> int:
         # Every consumed receive is re-posted before its immediate is handled.
         return 0 if self._closed or self._qp is None else self._depth
-
-    def poll_briefly(self, done: Callable[[], bool], seconds: float) -> bool:
-        if self._closed or self._qp is None:
-            return False
-        return self._qp.cq.poll_until(done, seconds)
 
     async def grant(self, offset: int, length: int) -> int:
         qp = self._qp
