@@ -11,8 +11,9 @@ CSV/JSON and plots land in ``results/`` on the host (the TCP sweep's in
 ``results/tcp/``), with a summary; the lab goes down again if the demo
 booted it.
 
-Iteration counts are trimmed so the whole demo stays well inside 15 minutes
-on a 2-core host: Soft-RoCE under emulation moves a few hundred Mb/s.
+Iteration counts are trimmed so the whole demo takes 7 to 20 minutes on a
+2-core host, as busy as it is: Soft-RoCE under emulation moves 0.1 to
+0.3 Gb/s.
 """
 
 from __future__ import annotations
