@@ -92,6 +92,16 @@ async def local(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
     await asyncio.sleep(0)
 
 
+@pytest.fixture
+async def roomy(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
+    # Room for an echo lease and the 48 MiB cache delivered beside it.
+    daemons = await start_local(tmp_path, receiver={"pool_size": "128MiB"},
+                                sender={"staging_size": "128MiB"})
+    yield daemons
+    await daemons.sender.stop()
+    await daemons.receiver.stop()
+
+
 @pytest.fixture(scope="session")
 def lab() -> Iterator[LabState]:
     """The two-node Soft-RoCE lab, up once for every test that needs it."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from kvwired.client import SenderClient
 from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, start_local, until
+from .conftest import LocalDaemons, until
 
 SIZES = [512, 8192, 65536]
 FAST = {"sizes": SIZES, "iters": 40, "stream_bytes": "1MiB", "deliver": True}
@@ -26,16 +25,6 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def quiet() -> PhaseProgress:
     return PhaseProgress(enabled=False)
-
-
-@pytest.fixture
-async def roomy(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
-    # Room for an echo lease and the 48 MiB cache delivered beside it.
-    daemons = await start_local(tmp_path, receiver={"pool_size": "128MiB"},
-                                sender={"staging_size": "128MiB"})
-    yield daemons
-    await daemons.sender.stop()
-    await daemons.receiver.stop()
 
 
 async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaemons) -> None:

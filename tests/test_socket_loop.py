@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +21,7 @@ from kvwired.experiments import socket_loop
 from kvwired.experiments.baseline import SOCKET_LOOP_MAX_BYTES
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 
-from .conftest import LocalDaemons, start_local, until
-
-
-@pytest.fixture
-async def roomy(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
-    daemons = await start_local(tmp_path, receiver={"pool_size": "128MiB"},
-                                sender={"staging_size": "128MiB"})
-    yield daemons
-    await daemons.sender.stop()
-    await daemons.receiver.stop()
+from .conftest import LocalDaemons, until
 
 
 async def test_the_loop_times_every_round_and_the_receiver_counts_them() -> None:
