@@ -122,16 +122,15 @@ async def push_one(
             f"request {req}: the receiver's checksum {result.checksum:#018x} is not the "
             f"sent data's {expected:#018x}")
     first_layer, verified = None, None
-    if watcher is not None:
+    if watcher is not None and receiver is not None:
         landed_at, delivered = await watcher
         first_layer = None if landed_at is None else landed_at - first_commit
-        view = receiver.view(delivered) if receiver is not None else None
-        assert view is not None
+        view = receiver.view(delivered)
         try:
             verified = await asyncio.to_thread(_same_bytes, view, raw)
         finally:
             view.release()
-            await receiver.release(req)  # type: ignore[union-attr]
+            await receiver.release(req)
         if not verified:
             raise VerificationFailed(f"request {req}: bytes at the receiver differ from those sent")
     return PushRecord(req, push.chunk_bytes, shape.total_bytes, int(result.timings["writes"]),

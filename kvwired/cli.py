@@ -42,11 +42,11 @@ def build_daemon(config: CommonConfig) -> Daemon:
 
         return ReceiverDaemon(config, services=[EchoService(), BaselineService()])
     assert isinstance(config, SenderConfig)
-    from .experiments import chunk_sweep, socket_loop
+    from .experiments import baseline, chunk_sweep
     from .sender import SenderDaemon
 
     return SenderDaemon(config, experiments={"chunk-sweep": chunk_sweep.run,
-                                             "socket-loop": socket_loop.run})
+                                             "socket-loop": baseline.run_socket_loop})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from kvctl.run.progress import PhaseProgress
 from kvwired.client import SenderClient
 from kvwired.errors import KvwireError, UsageError
 from kvwired.experiments import socket_loop
-from kvwired.experiments.baseline import SOCKET_LOOP_MAX_BYTES
+from kvwired.experiments.baseline import SOCKET_LOOP_MAX_BYTES, LoopParams
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 
 from .conftest import LocalDaemons, until
@@ -134,7 +134,7 @@ async def test_an_unknown_baseline_tool_is_refused_by_name(roomy: LocalDaemons) 
               st.lists(st.one_of(st.integers(-3, 1 << 22), st.text(max_size=6)), max_size=4))))
 def test_loop_parameters_validate_or_are_a_usage_error(params: dict[str, Any]) -> None:
     try:
-        loop = socket_loop.LoopParams.from_wire(params)
+        loop = LoopParams.from_wire(params)
     except UsageError:
         return
     assert loop.sizes and all(s >= 1 and loop.total % s == 0 for s in loop.sizes)

@@ -18,10 +18,12 @@ Iteration counts are trimmed so the whole demo takes 7 to 20 minutes on a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -78,21 +80,14 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
         tx = ServiceDaemon("prefill", "sender", sender_config(), state)
         print("starting kvwired-receiver.service (decode) and kvwired-sender.service "
               "(prefill) under systemd, over verbs ...", file=out, flush=True)
-        rx.start()
-        try:
-            tx.start()
-            try:
-                out_flag = ("--out", str(node_results))
-                sections.append(_step(state, "kvctl probe (prefill node)", _kvctl(
-                    "probe", "--to", DECODE_ADDRESS, *out_flag), out))
-                sections.append(_step(state, "kvctl run chunk-sweep --baseline perftest", _kvctl(
-                    "run", "chunk-sweep", "--socket", tx.socket, *SWEEP_ARGS, *out_flag), out))
-                sections.append(_step(state, "kvctl run overlap", _kvctl(
-                    "run", "overlap", "--socket", tx.socket, *OVERLAP_ARGS, *out_flag), out))
-            finally:
-                tx.stop()
-        finally:
-            rx.stop()
+        with _serving(rx, tx):
+            out_flag = ("--out", str(node_results))
+            sections.append(_step(state, "kvctl probe (prefill node)", _kvctl(
+                "probe", "--to", DECODE_ADDRESS, *out_flag), out))
+            sections.append(_step(state, "kvctl run chunk-sweep --baseline perftest", _kvctl(
+                "run", "chunk-sweep", "--socket", tx.socket, *SWEEP_ARGS, *out_flag), out))
+            sections.append(_step(state, "kvctl run overlap", _kvctl(
+                "run", "overlap", "--socket", tx.socket, *OVERLAP_ARGS, *out_flag), out))
         sections.append(_tcp_against_socket_loop(state, node_results / "tcp", out))
         # Before the lab goes down: its shared directory goes with it.
         results.mkdir(parents=True, exist_ok=True)
@@ -113,13 +108,20 @@ def _tcp_against_socket_loop(state: LabState, out_dir: Path, out: TextIO) -> str
     tx = ServiceDaemon("prefill", "sender", sender_config(transport="tcp"), state)
     print("\nrestarting both daemons over the TCP transport, same wire ...", file=out,
           flush=True)
+    with _serving(rx, tx):
+        return _step(state, "kvctl run chunk-sweep --baseline socket (transport tcp)",
+                     _kvctl("run", "chunk-sweep", "--socket", tx.socket, *TCP_SWEEP_ARGS,
+                            "--out", str(out_dir)), out)
+
+
+@contextlib.contextmanager
+def _serving(rx: ServiceDaemon, tx: ServiceDaemon) -> Iterator[None]:
+    """Receiver, then sender, started under the nodes' systemd; stopped in reverse."""
     rx.start()
     try:
         tx.start()
         try:
-            return _step(state, "kvctl run chunk-sweep --baseline socket (transport tcp)",
-                         _kvctl("run", "chunk-sweep", "--socket", tx.socket, *TCP_SWEEP_ARGS,
-                                "--out", str(out_dir)), out)
+            yield
         finally:
             tx.stop()
     finally:

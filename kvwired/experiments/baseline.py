@@ -12,25 +12,31 @@ client side against it:
 
 ``baseline_stop`` says the client is done: a server that has not exited by
 itself a moment later is stopped, and so is every server of a sender that
-leaves.
+leaves. ``served`` is the sender's side of that exchange, for perftest (in
+the chunk sweep) and for the socket loop (``measure_socket_loop``, and the
+``socket-loop`` experiment, ``run_socket_loop``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import statistics
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
-from ..config import free_port
-from ..errors import ExperimentFailed, KvwireError, UsageError
+from .. import analysis
+from ..config import free_port, parse_address
+from ..errors import ConfigError, ExperimentFailed, KvwireError, UsageError
 from ..protocol import Message, message
 from ..rdma import pick_gid
 from ..tasks import spawn
-from ..units import format_size
+from ..units import format_size, parse_size
 from . import perftest, socket_loop
-from .host import ReceiverHost, SessionHandle
+from .host import PeerHandle, ReceiverHost, Report, SenderHost, SessionHandle
 
 log = structlog.get_logger("kvwired.experiments.baseline")
 
@@ -42,6 +48,9 @@ SERVER_EXIT_GRACE = 5.0
 # The socket loop receives into one buffer of the whole payload: bounded, so
 # a sender cannot make the receiver allocate what it likes.
 SOCKET_LOOP_MAX_BYTES = 256 << 20
+
+
+# --------------------------------------------------------- receiver side
 
 
 class BaselineService:
@@ -129,3 +138,74 @@ class BaselineService:
             self._servers.pop(req, None)
             with contextlib.suppress(OSError):
                 server.stop()
+
+
+# ----------------------------------------------------------- sender side
+
+
+@contextlib.asynccontextmanager
+async def served(link: PeerHandle, req: str, tool: str, size: int,
+                 iters: int) -> AsyncIterator[tuple[str, int]]:
+    """The receiver of ``link`` serving one run of ``tool``: the host and port
+    to run the client against. The receiver hears ``baseline_stop`` after."""
+    ready = await link.request(
+        message("baseline", req=req, tool=tool, size=size, iters=iters),
+        undo=lambda answer: message("baseline_stop", req=answer["req"]))
+    try:
+        yield parse_address(link.address, 7471)[0], int(ready["port"])
+    finally:
+        link.send(message("baseline_stop", req=req))
+
+
+async def measure_socket_loop(link: PeerHandle, req: str,
+                              spec: socket_loop.LoopSpec) -> list[float]:
+    """One socket-loop measurement against ``link``'s receiver: seconds per round."""
+    await link.ensure()
+    async with served(link, req, SOCKET, spec.size, spec.chunks) as (host, port):
+        return await asyncio.to_thread(socket_loop.send, host, port, spec)
+
+
+@dataclass(frozen=True)
+class LoopParams:
+    """What ``kvctl`` asks of the ``socket-loop`` experiment."""
+
+    peer: str
+    sizes: tuple[int, ...]
+    total: int = 48 << 20
+    rounds: int = 3
+
+    @classmethod
+    def from_wire(cls, params: dict[str, Any]) -> LoopParams:
+        try:
+            built = cls(peer=str(params.get("peer") or ""),
+                        sizes=tuple(parse_size(s) for s in params["sizes"]),
+                        total=parse_size(params.get("bytes", cls.total)),
+                        rounds=int(params.get("rounds", cls.rounds)))
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            raise UsageError(f"bad socket-loop parameters: {exc}") from exc
+        if not built.sizes or any(s < 1 or built.total % s for s in built.sizes):
+            raise UsageError("socket-loop sizes must be positive and divide the payload",
+                             hint=f"the payload is {format_size(built.total)}")
+        if not 1 <= built.rounds <= 100:
+            raise UsageError("socket-loop rounds must be 1 to 100")
+        return built
+
+
+async def run_socket_loop(daemon: SenderHost, req: str, params: dict[str, Any],
+                          report: Report) -> dict[str, Any]:
+    """``socket-loop``: the plain loop at each size, ``rounds`` times, against a receiver."""
+    loop = LoopParams.from_wire(params)
+    link = daemon.link(loop.peer)
+    rows = []
+    for size in loop.sizes:
+        spec = socket_loop.LoopSpec(size, loop.total // size, loop.rounds)
+        seconds = await measure_socket_loop(link, f"{req}-{size}", spec)
+        median = statistics.median(seconds)
+        row = {"size": size, "bytes": spec.total, "seconds": seconds,
+               "median_seconds": median, "gbps": analysis.gbps(spec.total, median)}
+        rows.append(row)
+        report(message("row", req=req, row=row))
+        log.info("socket loop measured", peer=link.name, size=size,
+                 median_ms=round(median * 1e3, 2))
+    return {"peer": link.name, "sender": daemon.config.name, "bytes": loop.total,
+            "rounds": loop.rounds, "rows": rows}

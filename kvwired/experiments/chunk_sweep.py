@@ -30,14 +30,13 @@ from typing import Any
 import structlog
 
 from .. import analysis
-from ..config import parse_address
 from ..errors import ExperimentFailed, KvwireError, PerftestFailed
 from ..layout import KVLayout
 from ..protocol import Message, message
 from ..rdma import pick_gid
 from ..transport.base import DataChannel
 from ..units import format_size
-from . import perftest, socket_loop
+from . import baseline, perftest, socket_loop
 from .echo import EchoInitiator
 from .host import PeerHandle, Report, SenderHost
 from .spec import SOCKET_LOOP_ROUNDS, SweepParams
@@ -208,7 +207,7 @@ class ChunkSweep:
         phase = f"socket loop {format_size(size)}"
         progress(phase, 0, 1, force=True)
         spec = socket_loop.LoopSpec(size, max(1, total // size), SOCKET_LOOP_ROUNDS)
-        seconds = await socket_loop.measure(link, f"{self.req}-socket-{size}", spec)
+        seconds = await baseline.measure_socket_loop(link, f"{self.req}-socket-{size}", spec)
         progress(phase, 1, 1)
         median = statistics.median(seconds)
         return {"socket_seconds": median, "socket_rounds": seconds,
@@ -218,23 +217,18 @@ class ChunkSweep:
         """Server on the receiver, client here; a hung or failed run is tried again."""
         cfg = self.daemon.config
         gid = pick_gid(link.local_host, cfg.rdma_device, cfg.gid_index)
-        server_host = parse_address(link.address, 7471)[0]
         # Generous: emulated links move a few MB/s, and setup takes seconds.
         limit = 30 + 2 * size * iters / 4e6
         failures = []
         for attempt in range(PERFTEST_TRIES):
             req = f"{self.req}-{tool}-{size}-{attempt}"
-            ready = await link.request(
-                message("baseline", req=req, tool=tool, size=size, iters=iters),
-                undo=lambda answer: message("baseline_stop", req=answer["req"]))
-            args = perftest.command(tool, gid, size, iters, ready["port"], server=server_host)
-            try:
-                return await _connect_and_run(args, limit)
-            except PerftestFailed as exc:
-                failures.append(str(exc))
-                log.warning("perftest run failed", tool=tool, size=size, error=str(exc))
-            finally:
-                link.send(message("baseline_stop", req=req))
+            async with baseline.served(link, req, tool, size, iters) as (host, port):
+                args = perftest.command(tool, gid, size, iters, port, server=host)
+                try:
+                    return await _connect_and_run(args, limit)
+                except PerftestFailed as exc:
+                    failures.append(str(exc))
+                    log.warning("perftest run failed", tool=tool, size=size, error=str(exc))
         raise PerftestFailed(f"{tool} at {size} B failed {PERFTEST_TRIES} times: "
                              + "; ".join(failures))
 

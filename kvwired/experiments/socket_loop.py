@@ -1,7 +1,8 @@
 """A plain socket loop: the TCP transport's baseline (``baseline = socket``).
 
 The loop any hand-written TCP transfer starts from, run between the same two
-hosts as the daemons' data path: one stream with default socket options, the
+hosts as the daemons' data path (``kvwired.experiments.baseline`` arranges
+the run): one stream with default socket options, the
 sender ``sendall``s the payload in chunks of the size under test, the
 receiver ``recv_into``s it into one buffer allocated up front and answers one
 byte when the last byte is in. The sender's clock runs from its first
@@ -15,24 +16,12 @@ their own, so the daemon's event loop is not held while they run.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
-import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import structlog
-
-from .. import analysis
-from ..config import parse_address
-from ..errors import ConfigError, ExperimentFailed, UsageError
-from ..protocol import message
-from ..units import format_size, parse_size
-from .host import PeerHandle, Report, SenderHost
-
-log = structlog.get_logger("kvwired.experiments.socket_loop")
+from ..errors import ExperimentFailed
 
 ACK = b"\x01"
 # How long either half waits on the other before it gives up.
@@ -127,65 +116,3 @@ def send(host: str, port: int, spec: LoopSpec) -> list[float]:
                                hint="the data path's hosts must reach each other over TCP "
                                     "on an ephemeral port") from exc
     return seconds
-
-
-# ----------------------------------------------------- run by the sender
-
-
-async def measure(link: PeerHandle, req: str, spec: LoopSpec) -> list[float]:
-    """One socket-loop measurement against ``link``'s receiver: seconds per round."""
-    await link.ensure()
-    ready = await link.request(
-        message("baseline", req=req, tool="socket", size=spec.size, iters=spec.chunks),
-        undo=lambda answer: message("baseline_stop", req=answer["req"]))
-    host = parse_address(link.address, 7471)[0]
-    try:
-        return await asyncio.to_thread(send, host, int(ready["port"]), spec)
-    finally:
-        link.send(message("baseline_stop", req=req))
-
-
-@dataclass(frozen=True)
-class LoopParams:
-    """What ``kvctl`` asks of the ``socket-loop`` experiment."""
-
-    peer: str
-    sizes: tuple[int, ...]
-    total: int = 48 << 20
-    rounds: int = 3
-
-    @classmethod
-    def from_wire(cls, params: dict[str, Any]) -> LoopParams:
-        try:
-            built = cls(peer=str(params.get("peer") or ""),
-                        sizes=tuple(parse_size(s) for s in params["sizes"]),
-                        total=parse_size(params.get("bytes", 48 << 20)),
-                        rounds=int(params.get("rounds", 3)))
-        except (KeyError, TypeError, ValueError, ConfigError) as exc:
-            raise UsageError(f"bad socket-loop parameters: {exc}") from exc
-        if not built.sizes or any(s < 1 or built.total % s for s in built.sizes):
-            raise UsageError("socket-loop sizes must be positive and divide the payload",
-                             hint=f"the payload is {format_size(built.total)}")
-        if not 1 <= built.rounds <= 100:
-            raise UsageError("socket-loop rounds must be 1 to 100")
-        return built
-
-
-async def run(daemon: SenderHost, req: str, params: dict[str, Any],
-              report: Report) -> dict[str, Any]:
-    """``socket-loop``: the plain loop at each size, ``rounds`` times, against a receiver."""
-    loop = LoopParams.from_wire(params)
-    link = daemon.link(loop.peer)
-    rows = []
-    for size in loop.sizes:
-        spec = LoopSpec(size, loop.total // size, loop.rounds)
-        seconds = await measure(link, f"{req}-{size}", spec)
-        median = statistics.median(seconds)
-        row = {"size": size, "bytes": spec.total, "seconds": seconds,
-               "median_seconds": median, "gbps": analysis.gbps(spec.total, median)}
-        rows.append(row)
-        report(message("row", req=req, row=row))
-        log.info("socket loop measured", peer=link.name, size=size,
-                 median_ms=round(median * 1e3, 2))
-    return {"peer": link.name, "sender": daemon.config.name, "bytes": loop.total,
-            "rounds": loop.rounds, "rows": rows}
