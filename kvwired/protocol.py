@@ -27,7 +27,7 @@ import msgpack
 from . import immediate
 from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_FRAME = 1 << 20
 _LENGTH = struct.Struct(">I")
 
@@ -145,7 +145,8 @@ CONTROL: Schema = {
     "echo_offer": {"req": REQ, "lease": LEASE, "offset": INT, "key": KEY, "params": DICT},
     "echo_answer": {"req": REQ, "lease": LEASE, "reply_offset": INT, "params": DICT},
     "echo_ready": {"req": REQ, "lease": LEASE},
-    "echo_close": {"req": REQ, "lease": LEASE},
+    # ``answers``: echo answers the sender has seen, each a credit back.
+    "echo_close": {"req": REQ, "lease": LEASE, "answers": INT},
     # The perftest baseline: the receiver runs the tool's server side.
     "baseline": {"req": REQ, "tool": STR, "size": INT, "iters": INT},
     "baseline_ready": {"req": REQ, "port": _f(int, check=_int_range(1, 65535),

@@ -111,6 +111,19 @@ class SenderSession:
     alive: bool = True
     writes_counted: int = 0
 
+    def return_credits(self, n: int) -> None:
+        """Hand ``n`` credits back: one ``credits`` message per loop turn."""
+        if n <= 0:
+            return
+        self.credits_to_return += n
+        if self.credits_to_return == n:
+            asyncio.get_running_loop().call_soon(self._flush_credits)
+
+    def _flush_credits(self) -> None:
+        if self.credits_to_return and self.alive:
+            self.conn.send(message("credits", n=self.credits_to_return))
+        self.credits_to_return = 0
+
 
 class ReceiverService(Protocol):
     """Control messages beyond the request path, handed in at wiring time.
@@ -126,8 +139,9 @@ class ReceiverService(Protocol):
 
     def handle(self, session: SenderSession, msg: Message) -> None: ...
 
-    def on_immediate(self, session: SenderSession, lease_id: int, layer: int) -> bool:
-        """Take an immediate naming one of this service's leases; False if not ours."""
+    def on_immediate(self, session: SenderSession, lease_id: int,
+                     layer: int) -> immediate.Taken:
+        """Take an immediate naming one of this service's leases, or say it is not ours."""
         ...
 
     def session_closed(self, session: SenderSession) -> None: ...
@@ -492,13 +506,17 @@ class ReceiverDaemon(Daemon):
     # ---------------------------------------------------------- data path
 
     def _on_immediate(self, session: SenderSession, imm: int) -> None:
-        self._return_credit(session)
         self._count_received(session)
         lease_id, layer = immediate.unpack(imm)
         lease = self.leases.get(lease_id)
-        if lease is None and any(service.on_immediate(session, lease_id, layer)
-                                 for service in self.services):
-            return
+        if lease is None:
+            for service in self.services:
+                taken = service.on_immediate(session, lease_id, layer)
+                if taken is not immediate.Taken.NOT_OURS:
+                    if taken is immediate.Taken.TAKEN:
+                        session.return_credits(1)
+                    return
+        session.return_credits(1)
         if (lease is None or lease.session is not session
                 or lease.state is not LeaseState.FILLING
                 or not lease.landed <= layer < lease.shape.layers):
@@ -542,16 +560,6 @@ class ReceiverDaemon(Daemon):
         if writes > 1:
             self.metrics.writes.labels(session.label, "received", "write").inc(writes - 1)
 
-    def _return_credit(self, session: SenderSession) -> None:
-        # Credits go back in one message per loop turn, not one per immediate.
-        session.credits_to_return += 1
-        if session.credits_to_return == 1:
-            asyncio.get_running_loop().call_soon(self._flush_credits, session)
-
-    def _flush_credits(self, session: SenderSession) -> None:
-        if session.credits_to_return and session.alive:
-            session.conn.send(message("credits", n=session.credits_to_return))
-        session.credits_to_return = 0
 
     async def _complete(self, lease: Lease) -> None:
         digests = await asyncio.gather(*lease.digests)

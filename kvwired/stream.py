@@ -36,6 +36,10 @@ class MessageStream:
             self.decoder.feed(data)
         return msg
 
+    def buffered(self) -> Message | None:
+        """The next message if its bytes are already read, without waiting."""
+        return self.decoder.next_message()
+
     def send(self, msg: Message) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg))

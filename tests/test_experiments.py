@@ -58,6 +58,10 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     assert roomy.receiver.pool is not None and roomy.sender.staging is not None
     await until(lambda: roomy.receiver.pool.used_bytes == 0, what="the receive pool empty")
     await until(lambda: roomy.sender.staging.used_bytes == 0, what="the staging empty")
+    # Every credit a ping spent came back, by its answer, and none twice.
+    link = roomy.sender.links["decode"]
+    await until(lambda: link.credits == roomy.receiver.config.credits,
+                what="the sender's credits back to the receiver's grant")
     assert not roomy.receiver.leases
     assert all(not getattr(service, "echoes", {}) for service in roomy.receiver.services)
     text = chunk_sweep.render(run)

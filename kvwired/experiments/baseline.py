@@ -28,7 +28,7 @@ from typing import Any
 
 import structlog
 
-from .. import analysis
+from .. import analysis, immediate
 from ..config import free_port, parse_address
 from ..errors import ConfigError, ExperimentFailed, KvwireError, UsageError
 from ..protocol import Message, message
@@ -75,8 +75,9 @@ class BaselineService:
         if entry is not None and entry[0] is session:
             asyncio.get_running_loop().call_later(SERVER_EXIT_GRACE, entry[1])
 
-    def on_immediate(self, session: SessionHandle, lease_id: int, layer: int) -> bool:
-        return False
+    def on_immediate(self, session: SessionHandle, lease_id: int,
+                     layer: int) -> immediate.Taken:
+        return immediate.Taken.NOT_OURS
 
     def session_closed(self, session: SessionHandle) -> None:
         for owner, stop in list(self._servers.values()):

@@ -75,7 +75,8 @@ class ChunkSweep:
         await link.ensure()
         region = max(params.sizes)
         slot = await daemon.reserve_staging(region)
-        echo = EchoInitiator(self.req, link.name, slot, list(params.sizes))
+        echo = EchoInitiator(self.req, link.name, slot, list(params.sizes),
+                             credit_back=link.credit_back)
         try:
             await self._open_echo(link, echo)
             for index, size in enumerate(params.sizes):
@@ -129,7 +130,8 @@ class ChunkSweep:
     def _close_echo(self, link: PeerHandle, echo: EchoInitiator) -> None:
         if echo.lease:
             link.detach(echo.lease)
-            link.send(message("echo_close", req=self.req, lease=echo.lease))
+            link.send(message("echo_close", req=self.req, lease=echo.lease,
+                              answers=echo.answers))
         if echo.responder is not None:
             echo.responder.close()
 
@@ -262,7 +264,7 @@ async def _connect_and_run(args: list[str], limit: float) -> str:
 
 
 def _close_unwanted_echo(answer: Message) -> Message:
-    return message("echo_close", req=answer["req"], lease=answer["lease"])
+    return message("echo_close", req=answer["req"], lease=answer["lease"], answers=0)
 
 
 async def run(daemon: SenderHost, req: str, params: dict[str, Any],

@@ -11,7 +11,11 @@ size list. Streaming writes carry no immediate and are not answered.
 
 Both ends keep the credit rules of the data path: the sender spends one of
 the receiver's credits per ping, and the receiver answers at most one write
-per immediate, so the sender's receive queue cannot run dry.
+per immediate, so the sender's receive queue cannot run dry. The answer is
+the credit coming back (the receiver re-posts the receive before it
+answers), so pings cost no ``credits`` message. ``echo_close`` says how many
+answers the sender saw; the receiver returns by message the credits of any
+ping it took but whose answer the sender never saw.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class EchoLease:
     initiator: Initiator | None = None
     channel: DataChannel | None = None
     reply_offset: int = 0
-    answered: int = 0
+    answered: int = 0  # answers written: each returns a credit once the sender sees it
+    released: bool = False  # channel closed, slot given back (a failed echo awaits echo_close)
     key: int = 0  # the sender's key for the echo slot's bytes
 
     async def offer(self, transport: Transport) -> Message:
@@ -80,11 +85,11 @@ class EchoLease:
         self.channel = await self.initiator.complete(msg["params"])
         return message("echo_ready", req=self.req, lease=self.id)
 
-    def answer(self, index: int, on_error: Callable[[KvwireError], None]) -> None:
-        """Write the ping's size back with the same immediate."""
+    def answer(self, index: int, on_error: Callable[[KvwireError], None]) -> bool:
+        """Write the ping's size back with the same immediate; False if it cannot be."""
         channel = self.channel
         if channel is None or index >= len(self.sizes):
-            return
+            return False
         size = self.sizes[index]
         posted = channel.post([Write(self.slot.offset, self.reply_offset, size)],
                               immediate.pack(self.id, index))
@@ -94,6 +99,7 @@ class EchoLease:
             if not future.cancelled() and (exc := future.exception()) is not None:
                 on_error(exc if isinstance(exc, KvwireError) else TransportError(str(exc)))
         posted.add_done_callback(done)
+        return True
 
     def close(self) -> None:
         if self.channel is not None:
@@ -131,14 +137,19 @@ class EchoService:
         else:
             echo = self.echoes.get(msg["lease"])
             if echo is not None and self._owners.get(echo.id) is session:
+                # Answers the sender never saw (lost with a failed channel)
+                # did not bring their credits back: the message does.
+                session.return_credits(echo.answered - msg["answers"])
                 self._close(echo)
 
-    def on_immediate(self, session: SessionHandle, lease_id: int, layer: int) -> bool:
+    def on_immediate(self, session: SessionHandle, lease_id: int,
+                     layer: int) -> immediate.Taken:
         echo = self.echoes.get(lease_id)
         if echo is None or self._owners.get(lease_id) is not session:
-            return False
-        echo.answer(layer, lambda exc: self._failed(session, echo, exc))
-        return True
+            return immediate.Taken.NOT_OURS
+        if echo.answer(layer, lambda exc: self._failed(session, echo, exc)):
+            return immediate.Taken.ANSWERED
+        return immediate.Taken.TAKEN
 
     def session_closed(self, session: SessionHandle) -> None:
         for echo_id, owner in list(self._owners.items()):
@@ -183,21 +194,32 @@ class EchoService:
             session.conn.send(message("refused", req=msg["req"], error=exc.to_wire()))
 
     def _failed(self, session: SessionHandle, echo: EchoLease, error: KvwireError) -> None:
-        if self.echoes.get(echo.id) is not echo:
+        if self.echoes.get(echo.id) is not echo or echo.released:
             return
         log.warning("echo channel failed", req=echo.req, sender=session.name, error=str(error))
-        self._close(echo)
+        # The slot goes back now; the lease id stays taken until the sender's
+        # echo_close says how many answers it saw, so its credits balance.
+        self._release(echo, session)
         if session.alive:
             session.conn.send(message("abort", req=echo.req, lease=echo.id,
                                       error=error.to_wire()))
+        else:
+            self._close(echo)
 
     def _close(self, echo: EchoLease) -> None:
         if self.echoes.pop(echo.id, None) is None:
             return
         session = self._owners.pop(echo.id)
+        self.host.free_lease_id(echo.id)
+        if not echo.released:
+            self._release(echo, session)
+        log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
+
+    def _release(self, echo: EchoLease, session: SessionHandle) -> None:
+        """Close the echo's channel and give its slot back (after its key is revoked)."""
+        echo.released = True
         echo.close()
         host = self.host
-        host.free_lease_id(echo.id)
 
         def give_back() -> None:
             host.pool.release(echo.slot)
@@ -206,7 +228,6 @@ class EchoService:
             session.responder.revoke(echo.key, give_back)  # no ping can land after
         else:
             give_back()
-        log.info("echo lease closed", req=echo.req, sender=session.name, answered=echo.answered)
 
 
 # --------------------------------------------------------------- sender side
@@ -225,13 +246,19 @@ class EchoInitiator:
     key: int = 0  # the receiver's key for its echo slot
     responder: Responder | None = None
     error: KvwireError | None = None
+    # Each answer is one of the receiver's credits back (see the module doc).
+    credit_back: Callable[[], None] = lambda: None
+    answers: int = 0
     _pending: asyncio.Future[int] | None = None
 
     def on_immediate(self, imm: int) -> None:
         lease, index = immediate.unpack(imm)
+        if lease != self.lease % immediate.LEASE_SPACE:
+            return
+        self.answers += 1
+        self.credit_back()
         pending = self._pending
-        if lease == self.lease % immediate.LEASE_SPACE and pending is not None \
-                and not pending.done():
+        if pending is not None and not pending.done():
             pending.set_result(index)
 
     def delivered(self, checksum: int) -> None:
@@ -255,19 +282,23 @@ class EchoInitiator:
         """One round trip of ``sizes[index]`` bytes each way; seconds."""
         self.check()
         await take_credit()
-        self._pending = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        pending = self._pending = loop.create_future()
         size = self.sizes[index]
         started = time.perf_counter()
         posted = channel.post([Write(self.slot.offset, self.remote_offset, size)],
                               immediate.pack(self.lease, index), self.key)
+        # A bare timer rather than asyncio.timeout: on the lab's emulated
+        # CPUs the context manager's bookkeeping showed in every ping.
+        timer = loop.call_later(timeout, _expire, pending)
         try:
-            async with asyncio.timeout(timeout):
-                answered = await self._pending
+            answered = await pending
         except TimeoutError:
             raise ExperimentFailed(
                 f"receiver {self.link_name} did not echo a {size} B ping within {timeout:g} s",
                 hint="the receiver's log says why; is it overloaded or stopped?") from None
         finally:
+            timer.cancel()
             self._pending = None
         elapsed = time.perf_counter() - started
         await posted
@@ -304,3 +335,8 @@ class EchoInitiator:
         elapsed = time.perf_counter() - started
         progress(sent)
         return elapsed
+
+
+def _expire(pending: asyncio.Future[int]) -> None:
+    if not pending.done():
+        pending.set_exception(TimeoutError())

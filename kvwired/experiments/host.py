@@ -64,6 +64,10 @@ class PeerHandle(Protocol):
 
     async def take_credit(self) -> None: ...
 
+    def credit_back(self) -> None:
+        """A credit the receiver returned on the data path (an echo's answer)."""
+        ...
+
     def attach(self, lease: int, holder: LeaseHolder) -> None: ...
 
     def detach(self, lease: int) -> None: ...
@@ -96,6 +100,10 @@ class SessionHandle(Protocol):
 
     @property
     def conn(self) -> Connection: ...
+
+    def return_credits(self, n: int) -> None:
+        """Hand back credits of immediates a service took but whose answer did not."""
+        ...
 
 
 class ReceiverHost(Protocol):

@@ -246,8 +246,7 @@ class PeerLink:
     def _dispatch(self, msg: Message) -> None:
         kind = msg["t"]
         if kind == "credits":
-            self.credits += msg["n"]
-            self._credit_freed.set()
+            self._add_credits(msg["n"])
         elif kind in ("delivered", "abort", "abort_ack"):
             holder = self.holders.get(msg["lease"])
             if holder is None:
@@ -334,6 +333,13 @@ class PeerLink:
                                        error=RequestAborted(
                                            f"the sender stopped waiting for request "
                                            f"{lease['req']}").to_wire()))
+
+    def credit_back(self) -> None:
+        self._add_credits(1)
+
+    def _add_credits(self, n: int) -> None:
+        self.credits += n
+        self._credit_freed.set()
 
     async def take_credit(self) -> None:
         # One credit per immediate in flight: the receiver never sees more
