@@ -94,10 +94,18 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
     return ours / theirs
 
 
-def ideal_speedup(compute_s: float, transfer_s: float) -> float:
-    """(Tc + Tx) / max(Tc, Tx): what double buffering can at best save."""
-    longest = max(compute_s, transfer_s)
-    return (compute_s + transfer_s) / longest if longest > 0 else 1.0
+def ideal_speedup(compute_s: float, transfer_s: float, layers: int) -> float:
+    """What double buffering can at best save over ``layers`` layers.
+
+    Sequential is N (Tc + Tx). Overlapped, the first layer's compute and the
+    last layer's transfer have nothing to hide behind: N max(Tc, Tx) +
+    min(Tc, Tx). So the ideal tends to (Tc + Tx) / max(Tc, Tx), 2 at the
+    ridge, only as N grows: 24 layers top out at 48 / 25 = 1.92.
+    """
+    longest, shortest = max(compute_s, transfer_s), min(compute_s, transfer_s)
+    if longest <= 0 or layers < 1:
+        return 1.0
+    return layers * (compute_s + transfer_s) / (layers * longest + shortest)
 
 
 def efficiency(speedup: float, ideal: float) -> float:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvwired import analysis
 
@@ -63,13 +65,25 @@ def test_recommended_chunk_stays_within_a_layer_when_the_knee_is_beyond() -> Non
     assert "beyond one layer" in why and "80% of peak" in why
 
 
-def test_ideal_speedup_peaks_at_two_on_the_ridge() -> None:
-    assert analysis.ideal_speedup(0.0, 1.0) == 1.0
-    assert analysis.ideal_speedup(0.5, 1.0) == 1.5
-    assert analysis.ideal_speedup(1.0, 1.0) == 2.0
-    assert analysis.ideal_speedup(2.0, 1.0) == 1.5
-    assert analysis.ideal_speedup(4.0, 1.0) == 1.25
-    assert analysis.ideal_speedup(0.0, 0.0) == 1.0
+def test_ideal_speedup_peaks_on_the_ridge_below_two() -> None:
+    # 24 layers: the first compute and the last transfer are never hidden.
+    assert analysis.ideal_speedup(0.0, 1.0, 24) == 1.0
+    assert analysis.ideal_speedup(1.0, 1.0, 24) == pytest.approx(48 / 25)
+    assert analysis.ideal_speedup(0.5, 1.0, 24) == pytest.approx(36 / 24.5)
+    assert analysis.ideal_speedup(2.0, 1.0, 24) == analysis.ideal_speedup(1.0, 2.0, 24)
+    assert analysis.ideal_speedup(0.0, 0.0, 24) == 1.0
+    assert analysis.ideal_speedup(1.0, 1.0, 1) == 1.0  # one layer: nothing overlaps
+    # Many layers: the double-buffering limit (Tc + Tx) / max(Tc, Tx).
+    assert analysis.ideal_speedup(1.0, 1.0, 10**9) == pytest.approx(2.0)
+    assert analysis.ideal_speedup(4.0, 1.0, 10**9) == pytest.approx(1.25)
+
+
+@given(st.floats(0, 1e3), st.floats(0, 1e3), st.integers(1, 1024))
+def test_ideal_speedup_lies_between_one_and_two(tc: float, tx: float, layers: int) -> None:
+    ideal = analysis.ideal_speedup(tc, tx, layers)
+    assert 1.0 - 1e-9 <= ideal <= 2.0 + 1e-9
+    # More layers never lower what overlap can save.
+    assert analysis.ideal_speedup(tc, tx, layers + 1) >= ideal - 1e-9
 
 
 def test_efficiency_is_measured_over_ideal() -> None:

@@ -169,7 +169,7 @@ async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
         sequential = statistics.median(timings[False])
         overlapped_s = statistics.median(timings[True])
         speedup = sequential / overlapped_s
-        ideal = analysis.ideal_speedup(tc, tx)
+        ideal = analysis.ideal_speedup(tc, tx, params.layers)
         run.rows.append({
             "ratio": ratio, "compute_per_layer_s": tc, "transfer_per_layer_s": tx,
             "sequential_s": sequential, "overlapped_s": overlapped_s,

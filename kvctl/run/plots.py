@@ -102,7 +102,7 @@ def overlap_speedup(rows: list[dict[str, Any]], path: Path, title: str,
     fig, ax = plt.subplots(figsize=(8, 5))
     ratios = [r["ratio"] for r in rows]
     ax.plot(ratios, [r["speedup"] for r in rows], "o-", label="measured speedup")
-    ax.plot(ratios, [r["ideal_speedup"] for r in rows], "k--", label="ideal (Tc+Tx)/max(Tc,Tx)")
+    ax.plot(ratios, [r["ideal_speedup"] for r in rows], "k--", label="ideal N(Tc+Tx)/(N max + min)")
     ax.axvline(1.0, color="tab:red", alpha=0.6, label="ridge Tc = Tx")
     if deployment_ratio is not None:
         ax.axvline(deployment_ratio, color="tab:green", linestyle=":",
