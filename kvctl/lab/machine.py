@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,6 +39,9 @@ BOOT_TIMEOUT = float(os.environ.get("KVWIRE_LAB_BOOT_TIMEOUT", "240"))
 NODE_MEMORY_MIB = 2048
 WIRE_SUBNET = "198.18.78"  # RFC 2544 benchmarking range: nobody else's
 MGMT_NET = "198.18.79"
+# Receive buffer for the wire's UDP sockets (see _wire_socket_buffers).
+WIRE_SOCKET_BUFFER = 4 << 20
+RMEM_DEFAULT = Path("/proc/sys/net/core/rmem_default")
 AGENT_PORT = 7400
 # Guest ports forwarded to host loopback: the agent, then what an operator
 # or Prometheus would reach on a real node.
@@ -244,30 +247,56 @@ def up(out: Any = sys.stdout) -> LabState:
     state = LabState(kernel=kernel, started=time.time())
     started = time.monotonic()
     wire = [_free_udp_port() for _ in NODES]
-    try:
-        for position, node in enumerate(NODES):
-            ports = {name: free_port() for name in FORWARDED}
-            console = STATE_DIR / f"{node.name}.console"
-            console.unlink(missing_ok=True)
-            with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:
-                # Its own session: the node outlives this command until `down`.
-                process = subprocess.Popen(
-                    _qemu_command(node, kernel, ports, _venv_python(), checkout,
-                                  (wire[position], wire[1 - position])),
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True)
-            state.nodes[node.name] = NodeState(node.name, process.pid, node.wire_address,
-                                               ports, str(console))
-            state.save()
-        for node in NODES:
-            _wait_for(functools.partial(_ping, state, node.name), BOOT_TIMEOUT, node.name,
-                      state)
-    except BaseException:
-        down(quiet=True)
-        raise
+    with _wire_socket_buffers():
+        try:
+            for position, node in enumerate(NODES):
+                ports = {name: free_port() for name in FORWARDED}
+                console = STATE_DIR / f"{node.name}.console"
+                console.unlink(missing_ok=True)
+                with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:
+                    # Its own session: the node outlives this command until `down`.
+                    process = subprocess.Popen(
+                        _qemu_command(node, kernel, ports, _venv_python(), checkout,
+                                      (wire[position], wire[1 - position])),
+                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                        start_new_session=True)
+                state.nodes[node.name] = NodeState(node.name, process.pid, node.wire_address,
+                                                   ports, str(console))
+                state.save()
+            for node in NODES:
+                _wait_for(functools.partial(_ping, state, node.name), BOOT_TIMEOUT, node.name,
+                          state)
+        except BaseException:
+            down(quiet=True)
+            raise
     state.booted_seconds = time.monotonic() - started
     state.save()
     return state
+
+
+@contextlib.contextmanager
+def _wire_socket_buffers() -> Iterator[None]:
+    """Give the wire's UDP sockets a 4 MiB receive buffer while QEMU makes them.
+
+    QEMU's dgram backend takes the system default (208 KiB, about a hundred
+    1 KiB frames). On the emulated nodes the receiving QEMU drains it in
+    bursts, so a 2 MiB write overflowed it: measured, 26 RoCE retransmits
+    (go-back-N, about 2,000 packets resent) in three 48 MiB pushes and a
+    push 20 % slower than its neighbours. A RoCE fabric is lossless (PFC),
+    and the lab should be closer to one. The default is restored once the
+    nodes are up; without the right to change it, QEMU keeps the default.
+    """
+    try:
+        previous = RMEM_DEFAULT.read_text().strip()
+        RMEM_DEFAULT.write_text(str(max(WIRE_SOCKET_BUFFER, int(previous))))
+    except (OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            RMEM_DEFAULT.write_text(previous)
 
 
 def _wait_for(ready: Callable[[], bool], timeout: float, node: str, state: LabState) -> None:
