@@ -46,6 +46,14 @@ def _wait_active(daemon: ServiceDaemon, old_pid: int, timeout: float = 120) -> i
     raise AssertionError(f"{daemon.unit} not back within {timeout} s:\n{daemon.log_tail()}")
 
 
+def _wait_for_log(daemon: ServiceDaemon, line: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in daemon.log_text():
+        assert time.monotonic() < deadline, (
+            f"{line!r} not logged by {daemon.unit} within {timeout} s:\n{daemon.log_tail()}")
+        time.sleep(0.5)
+
+
 def test_systemd_is_pid_1_and_the_units_verify(lab: LabState,
                                                services: tuple[ServiceDaemon, ...]) -> None:
     code, out, err = _sh(lab, "decode", "ps -p 1 -o comm=; systemctl is-system-running; "
@@ -111,9 +119,11 @@ def test_reload_and_a_clean_stop(lab: LabState, services: tuple[ServiceDaemon, .
     code, _, err = _sh(lab, "prefill", f"systemctl reload {sender.unit}")
     assert code == 0, err
     assert sender.pid == pid and sender.running  # reloaded in place
-    assert "peer list reloaded" in sender.log_text()
+    # `kill -HUP` returns before the daemon has read the signal, and the
+    # journal lags the daemon: wait for the line rather than expect it now.
+    _wait_for_log(sender, "peer list reloaded")
     assert sender.stop() == 0
     props = sender.show("Result", "ActiveState")
     assert props["Result"] == "success" and props["ActiveState"] == "inactive", props
-    assert '"event": "stopped"' in sender.log_text()
+    _wait_for_log(sender, '"event": "stopped"')
     sender.start()  # back for the module's teardown
