@@ -25,7 +25,7 @@ lint: setup
 
 # Everything: lint, unit tests, and the two-namespace end-to-end suite (root).
 test: lint
-	$(BIN)/pytest -ra
+	$(BIN)/pytest -ra --durations=20
 
 # Unit tests only: no root, no namespaces.
 unit: setup
