@@ -161,6 +161,14 @@ def _handshake(path: str, role: str,
         sock.settimeout(None)
         sock.setblocking(False)
         return sock, msg, fds[0], decoder
+    except OSError as exc:
+        # Accepted, then gone mid-handshake (the daemon killed, or timed out).
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        raise DaemonUnavailable(
+            f"the daemon at {path} broke off the handshake: {exc.strerror or exc}",
+            hint="is it stopping or restarting? its log says why") from exc
     except BaseException:
         for fd in fds:
             os.close(fd)

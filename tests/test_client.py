@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -41,7 +42,7 @@ async def test_a_failure_right_behind_opened_reaches_finish() -> None:
     client, _ = _client()
     opening = await _opening(client, deadline=0.001)
     # Both arrive in one read, before open() resumes.
-    client._route(message("opened", req="r", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
     client._route(message("failed", req="r", error=DeadlineExceeded("late").to_wire()))
     push = await opening
     with pytest.raises(DeadlineExceeded):
@@ -59,7 +60,7 @@ async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
     opening.cancel()
     with pytest.raises(asyncio.CancelledError):
         await opening
-    client._route(message("opened", req="r", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
     assert sent[-1] == message("abort", req="r")
     assert not client._pushes
 
@@ -67,7 +68,7 @@ async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
 async def test_opened_in_the_turn_the_caller_gives_up_is_aborted() -> None:
     client, sent = _client()
     opening = await _opening(client)
-    client._route(message("opened", req="r", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
     opening.cancel()  # the answer is there, but the caller never sees it
     with pytest.raises(asyncio.CancelledError):
         await opening
@@ -127,6 +128,26 @@ def test_a_full_backlog_is_retried_then_named(tmp_path: Path,
         assert "is the daemon running" not in str(info.value)
         for queued in waiting:
             queued.close()
+
+
+def test_a_daemon_that_dies_mid_handshake_is_a_typed_error(tmp_path: Path) -> None:
+    """Accepted, then gone with our hello unread (a SIGKILL): the kernel resets
+    the connection, and the engine hears DaemonUnavailable, not an OSError."""
+    path = str(tmp_path / "dying.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dying:
+        dying.bind(path)
+        dying.listen(1)
+
+        def die_with_the_hello_unread() -> None:
+            conn, _ = dying.accept()
+            select.select([conn], [], [], 10)  # the hello has arrived
+            conn.close()
+
+        with ThreadPoolExecutor(1) as pool:
+            killed = pool.submit(die_with_the_hello_unread)
+            with pytest.raises(DaemonUnavailable, match="broke off the handshake"):
+                localsock._handshake(path, "prefill", SENDER_LOCAL)
+            killed.result()
 
 
 def _writes_sent(local: LocalDaemons) -> float:
