@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="seconds between scrapes (rates are over this interval)")
     metrics.add_argument("--json", action="store_true")
 
+    from .cluster import add_parser as add_cluster_parser
     from .keys import add_parser as add_keys_parser
     from .lab.cli import add_parser as add_lab_parser
     from .netns_session import add_parser as add_netns_parser
@@ -92,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lab_parser(commands)
     add_keys_parser(commands)
     add_netns_parser(commands)
+    add_cluster_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns"],
@@ -143,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             from .lab.cli import main as lab_main
 
             return lab_main(args)
+        if args.command == "cluster":
+            from .cluster import main as cluster_main
+
+            return cluster_main(args)
         if args.command == "netns":
             from .netns_session import main as netns_main
 

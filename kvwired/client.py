@@ -134,9 +134,10 @@ class OutgoingPush:
     """One request being pushed: fill layers in staging memory, commit each."""
 
     def __init__(self, client: SenderClient, req: str, shape: RequestShape, offset: int,
-                 chunk_bytes: int, started: float) -> None:
+                 chunk_bytes: int, started: float, peer: str = "") -> None:
         self.client = client
         self.req = req
+        self.peer = peer  # the receiver it goes to (the sender's choice, for "auto")
         self.shape = shape
         self.chunk_bytes = chunk_bytes
         assert client.conn.fd is not None, "the sender's pool fd is kept for per-push maps"
@@ -293,7 +294,9 @@ class SenderClient(_LocalClient):
                    deadline: float | None = None,
                    discard: bool = False) -> OutgoingPush:
         """Open a push of request ``req`` to receiver ``peer`` (None: the
-        sender's only receiver; an error names them when it has several).
+        sender's only receiver; an error names them when it has several;
+        ``"auto"``: the sender chooses, by the registry, and the push's
+        ``peer`` says which).
 
         ``discard``: the receiver frees the request as soon as it is delivered
         instead of holding it for a decode engine (benchmarks, warm-up).
@@ -384,7 +387,7 @@ class SenderClient(_LocalClient):
                 self.conn.send(message("abort", req=req))  # nobody waits for it
                 return
             push = OutgoingPush(self, req, opening.shape, msg["offset"], msg["chunk_bytes"],
-                                opening.started)
+                                opening.started, msg["peer"])
             self._pushes[req] = push
             opening.future.set_result(push)
             return

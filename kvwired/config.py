@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .discovery.address import RegistryAddress
 from .errors import ConfigError
 from .layout import resolve_chunk_bytes
 from .units import parse_size
@@ -74,6 +75,9 @@ class CommonConfig:
     handshake_timeout: float = _opt(
         10.0, "seconds a connection may take to authenticate (TLS, hello) before it is "
         "closed and counted in kvwire_auth_failures_total")
+    discovery: str = _opt(
+        "", "etcd://HOST:PORT/CLUSTER: receivers announce themselves there and senders "
+        "find them there, beside [peers]; empty: [peers] only, no registry")
     log_level: str = _opt("info", "debug, info, warning or error")
     log_format: str = _opt("auto", "json, console, or auto (console on a terminal)")
 
@@ -82,6 +86,9 @@ class CommonConfig:
 class ReceiverConfig(CommonConfig):
     name: str = _opt("decode", "name of this node, shown to peers and in metrics")
     listen: str = _opt("0.0.0.0:7471", "host:port of the control listener for senders")
+    advertise: str = _opt(
+        "", "with discovery: HOST:PORT senders dial for this receiver (default: listen, "
+        "which must then name an address, not 0.0.0.0)")
     data_port: int = _opt(7472, "TCP transport: port of the data listener (0: any)")
     socket: str = _opt("/run/kvwire/receiver.sock", "unix socket for decode engines")
     pool_size: int = _opt(256 << 20, "receive pool size (e.g. 256MiB)", "size")
@@ -105,6 +112,16 @@ class ReceiverConfig(CommonConfig):
     def __post_init__(self) -> None:
         if self.senders is None:
             self.senders = []
+
+    def advertised_control(self) -> str:
+        """HOST:PORT the registry tells senders to dial for this receiver."""
+        host, port = parse_address(self.advertise or self.listen, 7471)
+        if host in ("", "0.0.0.0", "::"):
+            raise ConfigError(
+                f"discovery needs an address senders can dial, and listen {self.listen!r} "
+                "is every address", hint="set advertise = \"HOST:PORT\" (this node's address "
+                "on the data network), or listen on that address")
+        return f"{host}:{port}"
 
     def quota_bytes(self) -> int:
         """``sender_quota`` in bytes of this pool."""
@@ -257,6 +274,8 @@ def _check(config: CommonConfig) -> None:
     parse_address(config.metrics, 0)
     if config.auth not in ("tls", "none"):
         raise ConfigError(f"auth {config.auth!r}: use tls or none")
+    if config.discovery:
+        RegistryAddress.parse(config.discovery)
     if isinstance(config, ReceiverConfig):
         config.quota_bytes()
         parse_address(config.listen, 7471)
@@ -264,6 +283,8 @@ def _check(config: CommonConfig) -> None:
             raise ConfigError("credits must be at least 1")
         if not config.unclaimed_ttl > 0:
             raise ConfigError("unclaimed_ttl must be a positive number of seconds")
+        if config.discovery:
+            config.advertised_control()
     if isinstance(config, SenderConfig):
         config.chunk_bytes  # noqa: B018  (validates the granularity)
         for name, address in config.peers.items():

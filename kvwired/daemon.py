@@ -20,6 +20,7 @@ from typing import ClassVar, Protocol
 import structlog
 
 from .config import CommonConfig, parse_address
+from .discovery.presence import Announcement, Presence
 from .errors import KvwireError
 from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix
 from .metrics import Metrics
@@ -58,6 +59,7 @@ class Daemon(ABC):
         self._local_server: asyncio.AbstractServer | None = None
         self.trust: Trust | None = None
         self._load_trust()
+        self.presence: Presence | None = None  # in the registry (discovery) or not
 
     def _load_trust(self) -> None:
         """The credentials, before any port opens (``auth = "none"``: none, loudly)."""
@@ -100,6 +102,16 @@ class Daemon(ABC):
                  hint="the receiver's settings take effect on restart")
 
     # ------------------------------------------------------------- shared
+
+    def join_registry(self, presence: Presence) -> None:
+        self.presence = presence
+        self.metrics.live.sources.append(presence.samples)
+        presence.start()
+
+    def leave_registry(self) -> None:
+        """A receiver's record goes as it stops taking senders (a drain)."""
+        if isinstance(self.presence, Announcement):
+            spawn(self.presence.withdraw(), "registry-withdraw")
 
     def serve_metrics(self) -> None:
         self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
@@ -150,6 +162,10 @@ class Daemon(ABC):
     async def stop(self) -> None:
         for server in self._servers:
             server.close()
+        if self.presence is not None:
+            if isinstance(self.presence, Announcement):
+                await self.presence.withdraw()
+            await self.presence.close()
         await self.say_goodbye()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)

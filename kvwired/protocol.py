@@ -28,6 +28,9 @@ from . import immediate
 from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
 
 PROTOCOL_VERSION = 3
+# An engine's ``peer`` that lets the sender choose (discovery: the connected
+# receiver with the most free pool). No receiver may be named so.
+AUTO_PEER = "auto"
 MAX_FRAME = 1 << 20
 _LENGTH = struct.Struct(">I")
 
@@ -175,7 +178,8 @@ SENDER_LOCAL: Schema = {
         "deadline": SECONDS,
         "discard": FLAG,
     },
-    "opened": {"req": REQ, "offset": INT, "chunk_bytes": INT},
+    # ``peer``: the receiver the push goes to (the one chosen, for "auto").
+    "opened": {"req": REQ, "peer": STR, "offset": INT, "chunk_bytes": INT},
     "commit": {"req": REQ, "layer": LAYER},
     # Layers up to ``layer`` are placed in the receiver's memory: their
     # staging may be reused.

@@ -22,6 +22,7 @@ from . import checksum, gate, immediate
 from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
 from .daemon import Daemon, LiveSample
+from .discovery.membership import Member
 from .errors import (
     AccessDenied,
     AuthenticationFailed,
@@ -39,7 +40,7 @@ from .gate import Gate
 from .layout import RequestShape
 from .lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
 from .pool import Pool, Slot
-from .protocol import RECEIVER_LOCAL, Message, encode, message
+from .protocol import PROTOCOL_VERSION, RECEIVER_LOCAL, Message, encode, message
 from .quota import SenderQuotas
 from .tasks import spawn
 from .transport import Transport, TransportOptions, make_transport
@@ -210,6 +211,10 @@ class ReceiverDaemon(Daemon):
         self.serve_metrics()
         await self.serve_local(self._serve_consumer)
         self.update_pool_metrics()
+        if cfg.discovery:
+            from .discovery.presence import Announcement
+
+            self.join_registry(Announcement(cfg.discovery, self.describe))
         log.info(
             "receiver ready",
             name=cfg.name,
@@ -219,6 +224,19 @@ class ReceiverDaemon(Daemon):
             pool_bytes=cfg.pool_size,
             metrics_port=self.metrics_port,
         )
+
+    def describe(self) -> Member:
+        """This receiver as the registry shows it to senders."""
+        cfg = self.config
+        if cfg.advertise:
+            control = cfg.advertise
+        else:
+            host = parse_address(cfg.listen, 7471)[0]
+            control = f"{host}:{self.control_port}"
+        return Member(name=cfg.name, control=control, transport=self.transport.name,
+                      protocol=PROTOCOL_VERSION, pool_bytes=self.pool.size,
+                      pool_free=self.pool.size - self.pool.used_bytes,
+                      identity=self.trust.fingerprint if self.trust is not None else "")
 
     def live_metrics(self) -> Iterator[LiveSample]:
         posted: dict[str, int] = {}  # by label: "other" may stand for several
@@ -256,6 +274,7 @@ class ReceiverDaemon(Daemon):
         # No new senders. Delivered requests stay readable until the process exits.
         if self._control_server is not None:
             self._control_server.close()
+        self.leave_registry()
 
     def reload(self, fresh: CommonConfig) -> None:
         """SIGHUP: which senders are accepted, and their quota. Senders no longer

@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
 from cryptography.x509.oid import NameOID
 
 from .errors import ConfigError
@@ -96,6 +97,7 @@ class Trust:
         self.server = self._context(ssl.PROTOCOL_TLS_SERVER)
         self.client = self._context(ssl.PROTOCOL_TLS_CLIENT)
         self.own_name = ""
+        self.fingerprint = ""  # SHA-256 of our certificate, hex (the registry shows it)
         self.load()
 
     def _context(self, protocol: int) -> ssl.SSLContext:
@@ -129,6 +131,7 @@ class Trust:
             context.load_verify_locations(str(self.files.ca))
             context.load_cert_chain(str(self.files.cert), str(self.files.key))
         self.own_name = own_name
+        self.fingerprint = own.fingerprint(hashes.SHA256()).hex()
         log.info("credentials loaded", directory=str(self.files.directory), name=own_name,
                  expires=own.not_valid_after.isoformat())
 

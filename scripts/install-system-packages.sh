@@ -6,13 +6,14 @@
 # perftest: the two-node Soft-RoCE lab and its baseline; systemd: the units
 # (systemd-analyze); prometheus: the real server the metrics tests scrape with;
 # python3-cryptography: kvctl keys mints the cluster CA and node certificates;
-# nftables: the fault campaign drops packets where the kernel has no netem.
+# nftables: the fault campaign drops packets where the kernel has no netem;
+# etcd-server: the registry the discovery tests run a fleet against.
 set -euo pipefail
 
 packages=(python3 python3-venv python3-pip python3-cryptography iproute2 rdma-core
           ibverbs-utils python3-pyverbs
           qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus
-          nftables)
+          nftables etcd-server)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -57,6 +57,10 @@ def test_defaults_without_file() -> None:
         ("credits = 0\n", "credits"),
         ('transport = "carrier-pigeon"\n', "unknown transport"),
         ("name = [\n", "not valid TOML"),
+        ('discovery = "etcd://10.0.0.5:2379"\n', "etcd://HOST:PORT/CLUSTER"),
+        ('discovery = "http://10.0.0.5:2379/prod"\n', "etcd://HOST:PORT/CLUSTER"),
+        # Senders could not dial "0.0.0.0": the registry needs a real address.
+        ('discovery = "etcd://10.0.0.5/prod"\nlisten = "0.0.0.0:7471"\n', "advertise"),
     ],
 )
 def test_config_mistakes_are_explained(tmp_path: Path, text: str, message: str) -> None:
@@ -64,6 +68,14 @@ def test_config_mistakes_are_explained(tmp_path: Path, text: str, message: str) 
     config.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load(ReceiverConfig, path=str(config))
+
+
+def test_a_receiver_in_a_registry_advertises_a_dialable_address() -> None:
+    config = load(ReceiverConfig, path=None)
+    config.discovery, config.listen = "etcd://e/prod", "10.0.0.2:7471"
+    assert config.advertised_control() == "10.0.0.2:7471"
+    config.listen, config.advertise = "0.0.0.0:7471", "10.0.0.3:7000"
+    assert config.advertised_control() == "10.0.0.3:7000"
 
 
 def test_bad_peer_flag() -> None:

@@ -23,9 +23,12 @@ LAYERS: dict[str, tuple[str, ...]] = {
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis"),
     "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.config",
               "kvwired.pool", "kvwired.rdma", "kvwired.metrics", "kvwired.stream",
-              "kvwired.lifecycle", "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota"),
+              "kvwired.lifecycle", "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota",
+              "kvwired.discovery", "kvwired.discovery.address",
+              "kvwired.discovery.membership"),
     "transport": ("kvwired.transport", "kvwired.transport.*"),
-    "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate"),
+    "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate",
+                    "kvwired.discovery.registry", "kvwired.discovery.presence"),
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.sender", "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
     "client": ("kvwired.client",),
@@ -56,7 +59,8 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     "kvwired.layout", "kvwired.checksum", "kvwired.analysis", "kvwired.config",
                     "kvwired.rdma",
                     "kvwired.protocol", "kvwired.localsock", "kvwired.trust",
-                    "kvwired.experiments.spec",
+                    "kvwired.experiments.spec", "kvwired.discovery.address",
+                    "kvwired.discovery.membership", "kvwired.discovery.registry",
                     "kvwired.experiments.perftest")
 
 

@@ -95,16 +95,28 @@ def _api(port: int, path: str) -> Any:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("prometheus")
-    ports = {name: free_port() for name in ("control", "rx_metrics", "tx_metrics", "prom")}
+    ports = {name: free_port() for name in ("control", "rx_metrics", "tx_metrics", "prom",
+                                            "etcd", "etcd_peer")}
+    # Both daemons in a real etcd registry, so the membership panel and the
+    # registry alert have data; the sender's [peers] names the same receiver.
+    etcd = Process([_tool("etcd"), "--data-dir", str(tmp / "etcd"),
+                    "--listen-client-urls", f"http://127.0.0.1:{ports['etcd']}",
+                    "--advertise-client-urls", f"http://127.0.0.1:{ports['etcd']}",
+                    "--listen-peer-urls", f"http://127.0.0.1:{ports['etcd_peer']}",
+                    "--initial-advertise-peer-urls", f"http://127.0.0.1:{ports['etcd_peer']}",
+                    "--initial-cluster", f"default=http://127.0.0.1:{ports['etcd_peer']}"],
+                   tmp / "etcd.log")
+    discovery = f"etcd://127.0.0.1:{ports['etcd']}/prometheus-test"
     write_toml(tmp / "rx.toml", with_credentials({
         "name": "decode", "transport": "tcp", "listen": f"127.0.0.1:{ports['control']}",
         "data_port": 0, "socket": str(tmp / "rx.sock"),
         "metrics": f"127.0.0.1:{ports['rx_metrics']}", "pool_size": "32MiB",
-        "lease_wait": 0.2}, "receiver", tmp / "tls"))
+        "lease_wait": 0.2, "discovery": discovery}, "receiver", tmp / "tls"))
     write_toml(tmp / "tx.toml", with_credentials({
         "name": "prefill", "transport": "tcp", "socket": str(tmp / "tx.sock"),
         "metrics": f"127.0.0.1:{ports['tx_metrics']}", "staging_size": "64MiB",
-        "peers": {"decode": f"127.0.0.1:{ports['control']}"}}, "sender", tmp / "tls"))
+        "peers": {"decode": f"127.0.0.1:{ports['control']}"}, "discovery": discovery},
+        "sender", tmp / "tls"))
     kvwired = [sys.executable, "-m", "kvwired"]
     receiver = Process([*kvwired, "receiver", "--config", str(tmp / "rx.toml")],
                        tmp / "rx.log")
@@ -124,8 +136,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                           f"--storage.tsdb.path={tmp / 'data'}",
                           f"--web.listen-address=127.0.0.1:{ports['prom']}", "--log.level=warn"],
                          tmp / "prometheus.log")
-    started = [receiver, sender, prometheus]
+    started = [etcd, receiver, sender, prometheus]
     try:
+        _wait_http(f"http://127.0.0.1:{ports['etcd']}/health")
         for port in ("rx_metrics", "tx_metrics", "prom"):
             _wait_http(f"http://127.0.0.1:{ports[port]}/metrics")
         _wait_scraped(ports["prom"])  # the idle state is on record before any work

@@ -20,6 +20,8 @@ import structlog
 
 from ..config import SenderConfig
 from ..daemon import Daemon, LiveSample
+from ..discovery.membership import Changes, merged_peers
+from ..discovery.presence import Subscription
 from ..errors import (
     KvwireError,
     ProtocolError,
@@ -30,7 +32,7 @@ from ..errors import (
 )
 from ..layout import RequestShape
 from ..pool import Pool, Slot
-from ..protocol import SENDER_LOCAL, Message, encode, message
+from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Message, encode, message
 from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
 from ..units import format_size
@@ -65,6 +67,9 @@ class SenderDaemon(Daemon):
             gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
             receive_depth=SENDER_RECEIVE_DEPTH))
         self.links = {name: self._new_link(name, addr) for name, addr in config.peers.items()}
+        # [peers] as configured; with discovery, config.peers is these and the registry's.
+        self.static_peers = dict(config.peers)
+        self.subscription: Subscription | None = None
         self._staging: Pool | None = None
         self._driver: PushDriver | None = None
 
@@ -98,6 +103,10 @@ class SenderDaemon(Daemon):
         for link in self.links.values():
             spawn(link.keep_connected(), f"link-{link.name}")
         self.driver.update_pool_metrics()
+        if cfg.discovery:
+            self.subscription = Subscription(cfg.discovery, PROTOCOL_VERSION,
+                                             self._membership_changed)
+            self.join_registry(self.subscription)
         log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
                  chunk_bytes=cfg.chunk_bytes, metrics_port=self.metrics_port)
@@ -132,9 +141,21 @@ class SenderDaemon(Daemon):
 
     def reload(self, fresh: Any) -> None:
         assert isinstance(fresh, SenderConfig)
-        self.reload_peers(fresh.peers)
+        self.static_peers = dict(fresh.peers)
+        self.reload_peers(self._wanted_peers())
 
-    def reload_peers(self, peers: dict[str, str]) -> dict[str, list[str]]:
+    def _wanted_peers(self) -> dict[str, str]:
+        if self.subscription is None:
+            return dict(self.static_peers)
+        return merged_peers(self.static_peers, self.subscription.membership.peers())
+
+    def _membership_changed(self, changes: Changes) -> None:
+        if changes:
+            self.reload_peers(self._wanted_peers(), why="it left the registry")
+
+    def reload_peers(self, peers: dict[str, str],
+                     why: str = "the peer was removed from the sender's configuration",
+                     ) -> dict[str, list[str]]:
         """Apply a new peer list; links that stay untouched keep their connections."""
         changes: dict[str, list[str]] = {"added": [], "removed": [], "changed": []}
         for name, link in list(self.links.items()):
@@ -142,7 +163,7 @@ class SenderDaemon(Daemon):
                 continue
             changes["changed" if name in peers else "removed"].append(name)
             del self.links[name]
-            link.retire("the peer was removed from the sender's configuration")
+            link.retire(why)
             spawn(self._retire(link), f"retire-{name}")
         for name, address in peers.items():
             if name not in self.links:
@@ -165,9 +186,12 @@ class SenderDaemon(Daemon):
     # ------------------------------------------- the surface others build on
 
     def link(self, peer: str) -> PeerLink:
-        """The link to receiver ``peer`` ("" names the only one, if there is one)."""
+        """The link to receiver ``peer`` ("" names the only one, if there is one;
+        ``auto`` the connected one with the most free pool, by the registry)."""
         if not peer and len(self.links) == 1:
             return next(iter(self.links.values()))
+        if peer == AUTO_PEER:
+            return self._auto_link()
         link = self.links.get(peer)
         if link is None:
             raise UnknownPeer(
@@ -176,6 +200,22 @@ class SenderDaemon(Daemon):
                 "[peers] in the sender config",
             )
         return link
+
+    def _auto_link(self) -> PeerLink:
+        if self.subscription is None:
+            raise UnknownPeer(
+                "peer \"auto\" chooses by the registry's pool figures, and this sender has "
+                "no registry", hint="set discovery = \"etcd://HOST:PORT/CLUSTER\", or name "
+                f"a receiver: {', '.join(sorted(self.links)) or 'none configured'}")
+        connected = [name for name, link in self.links.items() if link.connected]
+        chosen = self.subscription.membership.choose(connected, self.config.name)
+        if chosen is None:
+            members = sorted(self.subscription.membership.members)
+            raise UnknownPeer(
+                "peer \"auto\": no receiver of the registry is connected to this sender",
+                hint=f"registry members: {', '.join(members) or 'none'}; connected: "
+                f"{', '.join(sorted(connected)) or 'none'} (is kvwire_registry_up 1?)")
+        return self.links[chosen]
 
     async def open_push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
                         deadline: float | None = None, discard: bool = False) -> Push:

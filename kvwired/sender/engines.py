@@ -86,8 +86,8 @@ class EngineSession:
             return
         self.pushes[req] = push
         push.on_sent = lambda layer: self.send(message("sent", req=req, layer=layer))
-        self.send(message("opened", req=req, offset=push.staging.offset,
-                          chunk_bytes=push.chunk_bytes))
+        self.send(message("opened", req=req, peer=push.link.name,
+                          offset=push.staging.offset, chunk_bytes=push.chunk_bytes))
         push.outcome.add_done_callback(lambda outcome: self._ended(push, outcome))
 
     def _ended(self, push: Push, outcome: asyncio.Future[Delivery]) -> None:

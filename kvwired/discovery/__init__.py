@@ -1,0 +1,1 @@
+"""Finding receivers: the static ``[peers]`` list, or an etcd registry."""
