@@ -38,12 +38,15 @@ class Presence(ABC):
         yield ("kvwire_registry_up", "1 while the etcd registry answers (0: working from "
                "the membership last seen)", [], [], float(self.link.up))
 
-    async def close(self) -> None:
+    async def _stop_task(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+
+    async def close(self) -> None:
+        await self._stop_task()
         await self.link.close()
 
 
@@ -68,11 +71,7 @@ class Announcement(Presence):
         await asyncio.shield(self._withdrawal)
 
     async def _withdraw(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await self._stop_task()  # no refresh may re-create the record after this
         await self.announcer.withdraw()
 
 
