@@ -113,9 +113,12 @@ class ReceiverConfig(CommonConfig):
         if self.senders is None:
             self.senders = []
 
-    def advertised_control(self) -> str:
-        """HOST:PORT the registry tells senders to dial for this receiver."""
+    def advertised_control(self, bound_port: int = 0) -> str:
+        """HOST:PORT the registry tells senders to dial for this receiver
+        (``bound_port``: the port the control listener got, for ``listen`` port 0)."""
         host, port = parse_address(self.advertise or self.listen, 7471)
+        if not self.advertise and bound_port:
+            port = bound_port
         if host in ("", "0.0.0.0", "::"):
             raise ConfigError(
                 f"discovery needs an address senders can dial, and listen {self.listen!r} "

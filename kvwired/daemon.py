@@ -20,10 +20,10 @@ from typing import ClassVar, Protocol
 import structlog
 
 from .config import CommonConfig, parse_address
-from .discovery.presence import Announcement, Presence
+from .discovery.presence import Presence
 from .errors import KvwireError
 from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix
-from .metrics import Metrics
+from .metrics import LiveSample, Metrics
 from .protocol import Message, Schema
 from .systemd import Notifier
 from .tasks import spawn
@@ -34,7 +34,6 @@ log = structlog.get_logger("kvwired")
 STATUS_EVERY = 10.0  # seconds between STATUS= updates to systemd
 DRAIN_POLL = 0.05  # seconds between looks at what is still in flight while draining
 
-LiveSample = tuple[str, str, list[str], list[str], float]
 
 
 class Server(Protocol):
@@ -110,8 +109,8 @@ class Daemon(ABC):
 
     def leave_registry(self) -> None:
         """A receiver's record goes as it stops taking senders (a drain)."""
-        if isinstance(self.presence, Announcement):
-            spawn(self.presence.withdraw(), "registry-withdraw")
+        if self.presence is not None:
+            spawn(self.presence.leave(), "registry-leave")
 
     def serve_metrics(self) -> None:
         self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
@@ -163,8 +162,6 @@ class Daemon(ABC):
         for server in self._servers:
             server.close()
         if self.presence is not None:
-            if isinstance(self.presence, Announcement):
-                await self.presence.withdraw()
             await self.presence.close()
         await self.say_goodbye()
         with contextlib.suppress(FileNotFoundError):

@@ -45,7 +45,9 @@ DURATION_BUCKETS = (
 SIZE_BUCKETS = (512.0, 2048.0, 8192.0, 12288.0, 65536.0, 262144.0, 1048576.0, 2097152.0,
                 8388608.0, 50331648.0, 67108864.0)
 
-LiveSamples = Callable[[], Iterable[tuple[str, str, list[str], list[str], float]]]
+# (name, help, label names, label values, value): one gauge read at scrape time.
+LiveSample = tuple[str, str, list[str], list[str], float]
+LiveSamples = Callable[[], Iterable[LiveSample]]
 
 
 @dataclass

@@ -21,7 +21,7 @@ import structlog
 from . import checksum, gate, immediate
 from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
-from .daemon import Daemon, LiveSample
+from .daemon import Daemon
 from .discovery.membership import Member
 from .errors import (
     AccessDenied,
@@ -39,6 +39,7 @@ from .errors import (
 from .gate import Gate
 from .layout import RequestShape
 from .lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
+from .metrics import LiveSample
 from .pool import Pool, Slot
 from .protocol import PROTOCOL_VERSION, RECEIVER_LOCAL, Message, encode, message
 from .quota import SenderQuotas
@@ -228,12 +229,8 @@ class ReceiverDaemon(Daemon):
     def describe(self) -> Member:
         """This receiver as the registry shows it to senders."""
         cfg = self.config
-        if cfg.advertise:
-            control = cfg.advertise
-        else:
-            host = parse_address(cfg.listen, 7471)[0]
-            control = f"{host}:{self.control_port}"
-        return Member(name=cfg.name, control=control, transport=self.transport.name,
+        return Member(name=cfg.name, control=cfg.advertised_control(self.control_port),
+                      transport=self.transport.name,
                       protocol=PROTOCOL_VERSION, pool_bytes=self.pool.size,
                       pool_free=self.pool.size - self.pool.used_bytes,
                       identity=self.trust.fingerprint if self.trust is not None else "")

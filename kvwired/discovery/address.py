@@ -41,5 +41,9 @@ class RegistryAddress:
     def key(self, name: str) -> bytes:
         return self.prefix + name.encode()
 
+    def name_of(self, key: bytes) -> str:
+        """The receiver's name in a key under ``prefix``."""
+        return key[len(self.prefix):].decode(errors="replace")
+
     def __str__(self) -> str:
         return f"etcd://{self.host}:{self.port}/{self.cluster}"

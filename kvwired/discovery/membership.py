@@ -18,15 +18,12 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, get_type_hints
 
 from ..errors import KvwireError
 from ..protocol import AUTO_PEER
 
 MAX_RECORD_BYTES = 4096
-_FIELDS: dict[str, type] = {"name": str, "control": str, "transport": str,
-                            "protocol": int, "pool_bytes": int, "pool_free": int,
-                            "identity": str}
 
 
 class BadMemberRecord(KvwireError, code="bad_member_record",
@@ -87,6 +84,10 @@ class Member:
         if not 0 <= self.pool_free <= self.pool_bytes:
             raise BadMemberRecord(f"record {key_name!r}: pool_free {self.pool_free} is "
                                   f"not within the pool's {self.pool_bytes} bytes")
+
+
+# Every field of a record and its JSON type, read off Member itself.
+_FIELDS: dict[str, type] = get_type_hints(Member)
 
 
 def _is_name(name: str) -> bool:

@@ -13,13 +13,12 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
+from ..metrics import LiveSample
 from ..tasks import spawn
 from .address import RegistryAddress
 from .membership import Changes, Member, Membership
 
 log = structlog.get_logger("kvwired.discovery")
-
-LiveSample = tuple[str, str, list[str], list[str], float]
 
 
 class Presence(ABC):
@@ -45,8 +44,13 @@ class Presence(ABC):
                 await self._task
             self._task = None
 
-    async def close(self) -> None:
+    async def leave(self) -> None:
+        """Stop taking part: no more announcing or watching (a receiver also
+        takes its record out)."""
         await self._stop_task()
+
+    async def close(self) -> None:
+        await self.leave()
         await self.link.close()
 
 
@@ -63,7 +67,7 @@ class Announcement(Presence):
     def start(self) -> None:
         self._task = spawn(self.announcer.run(), "registry-announce")
 
-    async def withdraw(self) -> None:
+    async def leave(self) -> None:
         """Stop refreshing and take the record out: senders stop choosing us now.
         Called again (a drain, then the stop), it waits for the first."""
         if self._withdrawal is None:
@@ -71,7 +75,7 @@ class Announcement(Presence):
         await asyncio.shield(self._withdrawal)
 
     async def _withdraw(self) -> None:
-        await self._stop_task()  # no refresh may re-create the record after this
+        await super().leave()  # no refresh may re-create the record after this
         await self.announcer.withdraw()
 
 

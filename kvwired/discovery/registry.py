@@ -43,11 +43,9 @@ HEALTH_EVERY = 2.0  # seconds between a watching sender's looks at whether etcd 
 class RegistryLink:
     """One daemon's connection to etcd, and whether it answers."""
 
-    def __init__(self, address: RegistryAddress,
-                 on_state: Callable[[bool], None] | None = None) -> None:
+    def __init__(self, address: RegistryAddress) -> None:
         self.address = address
         self.up = False
-        self._on_state = on_state
         self._client: aetcd.Client | None = None
 
     def client(self) -> aetcd.Client:
@@ -73,8 +71,6 @@ class RegistryLink:
             log.warning("registry unreachable; working from the membership last seen",
                         registry=str(self.address), error=error,
                         hint="check that etcd runs there; kvwire re-registers when it answers")
-        if self._on_state is not None:
-            self._on_state(up)
 
     async def retrying(self, what: str, body: Callable[[], Awaitable[None]]) -> None:
         """Run ``body`` for ever; whenever etcd fails it, wait and start over."""
@@ -148,23 +144,22 @@ class Watcher:
     async def run(self) -> None:
         await self.link.retrying("watch", self._watch)
 
-    def _name(self, key: bytes) -> str:
-        return key[len(self.link.address.prefix):].decode(errors="replace")
-
     async def _watch(self) -> None:
         client = self.link.client()
-        prefix = self.link.address.prefix
-        snapshot = await client.get_prefix(prefix)
+        address = self.link.address
+        snapshot = await client.get_prefix(address.prefix)
         self._report(self.membership.replace(
-            [(self._name(kv.key), kv.value) for kv in snapshot], snapshot.header.revision))
+            [(address.name_of(kv.key), kv.value) for kv in snapshot],
+            snapshot.header.revision))
         self.link.mark(True)
-        watch = await client.watch_prefix(prefix, start_revision=snapshot.header.revision + 1)
+        watch = await client.watch_prefix(address.prefix,
+                                          start_revision=snapshot.header.revision + 1)
         # A watch stream can sit silent on a dead connection; a health probe
         # beside it notices, and ends the watch so it starts over.
         health = asyncio.ensure_future(self._probe(client))
         try:
             async for event in _until(watch, health):
-                name, revision = self._name(event.kv.key), event.kv.mod_revision
+                name, revision = address.name_of(event.kv.key), event.kv.mod_revision
                 if event.kind == aetcd.EventKind.PUT:
                     self._report(self.membership.put(name, event.kv.value, revision))
                 else:
@@ -209,7 +204,6 @@ async def read_members(address: RegistryAddress) -> list[tuple[str, bytes]]:
     link = RegistryLink(address)
     try:
         result = await link.client().get_prefix(address.prefix)
-        return [(kv.key[len(address.prefix):].decode(errors="replace"), kv.value)
-                for kv in result]
+        return [(address.name_of(kv.key), kv.value) for kv in result]
     finally:
         await link.close()

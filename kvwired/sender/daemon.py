@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from ..config import SenderConfig
-from ..daemon import Daemon, LiveSample
+from ..daemon import Daemon
 from ..discovery.membership import Changes, merged_peers
 from ..discovery.presence import Subscription
 from ..errors import (
@@ -31,6 +31,7 @@ from ..errors import (
     internal_error,
 )
 from ..layout import RequestShape
+from ..metrics import LiveSample
 from ..pool import Pool, Slot
 from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Message, encode, message
 from ..tasks import spawn
