@@ -58,6 +58,11 @@ def devices(root: Path = SYSFS) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
+def roce_devices(root: Path = SYSFS) -> list[str]:
+    """Devices with a RoCE v2 GID: those a kvwire data path can run over."""
+    return sorted({entry.device for entry in gid_table(root) if entry.type == ROCE_V2})
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()

@@ -104,13 +104,17 @@ async def roomy(tmp_path: Path) -> AsyncIterator[LocalDaemons]:
 
 @pytest.fixture(scope="session")
 def lab() -> Iterator[LabState]:
-    """The two-node Soft-RoCE lab, up once for every test that needs it."""
+    """The two-node Soft-RoCE lab, up once for every test that needs it.
+
+    With two rails: what runs over one of them (rail 0, the default wire)
+    runs as on a one-rail lab, and the rail tests have their second.
+    """
     from kvctl.lab import machine
 
     reason = machine.why_lab_cannot_run()
     if reason:
         pytest.skip(f"QEMU lab cannot run here: {reason}")
-    result = subprocess.run([sys.executable, "-m", "kvctl", "lab", "up"],
+    result = subprocess.run([sys.executable, "-m", "kvctl", "lab", "up", "--rails", "2"],
                             capture_output=True, text=True)
     print(result.stdout, result.stderr)
     assert result.returncode == 0, result.stderr

@@ -49,19 +49,26 @@ def test_exec_streams_output_and_returns_the_exit_code(lab: LabState) -> None:
     assert missing.returncode == 127 and "cannot run no-such-command" in missing.stderr
 
 
-def test_pyverbs_sees_rxe0_active_with_a_roce_v2_gid(lab: LabState) -> None:
+def test_each_rail_has_its_own_active_rxe_device_and_subnet(lab: LabState) -> None:
+    assert lab.rails == 2
+    assert lab.nodes["decode"].rail_addresses == ["198.18.78.2", "198.18.80.2"]
     code, out, err = run_in("decode", [sys.executable, "-c", """
 import pyverbs.device as d, pyverbs.enums as e
 from pyverbs.device import Context
-names = [dev.name.decode() for dev in d.get_device_list()]
-ctx = Context(name="rxe0")
-entry = ctx.query_gid_ex(1, 1)
-print(names, ctx.query_port(1).state == e.IBV_PORT_ACTIVE,
-      entry.gid_type == e.IBV_GID_TYPE_ROCE_V2, entry.gid_str())
+print(sorted(dev.name.decode() for dev in d.get_device_list()))
+for name in ("rxe0", "rxe1"):
+    ctx = Context(name=name)
+    entry = ctx.query_gid_ex(1, 1)
+    print(name, ctx.query_port(1).state == e.IBV_PORT_ACTIVE,
+          entry.gid_type == e.IBV_GID_TYPE_ROCE_V2, entry.gid_str())
 """], state=lab)
     assert code == 0, err
-    assert out.split()[:3] == ["['rxe0']", "True", "True"]
-    assert out.split()[3].endswith("ffff:c612:4e02")  # ::ffff:198.18.78.2
+    devices, rail0, rail1 = out.splitlines()
+    assert devices == "['rxe0', 'rxe1']"
+    assert rail0.split()[:3] == ["rxe0", "True", "True"]
+    assert rail0.split()[3].endswith("ffff:c612:4e02")  # ::ffff:198.18.78.2
+    assert rail1.split()[:3] == ["rxe1", "True", "True"]
+    assert rail1.split()[3].endswith("ffff:c612:5002")  # ::ffff:198.18.80.2
 
 
 def test_the_transport_suite_passes_over_rdma_rxe_in_a_node(lab: LabState) -> None:
@@ -85,18 +92,22 @@ def test_the_wire_nic_has_a_pcie_link_for_the_probe(lab: LabState) -> None:
 
 
 def test_kvctl_probe_follows_rxe_to_the_pcie_link_of_its_nic(lab: LabState) -> None:
-    code, out, err = run_in("prefill", [sys.executable, "-m", "kvctl", "probe", "--to",
-                                        "198.18.78.2", "--json"], state=lab)
-    assert code == 0, err
-    result = json.loads(out)
-    (rxe,) = result["devices"]
-    assert rxe["name"] == "rxe0" and rxe["netdev"] == "wire0"
-    assert rxe["ports"][0]["state"] == "ACTIVE" and rxe["ports"][0]["active_mtu"] == 1024
-    assert rxe["pcie"]["bdf"] == "0000:01:00.0"
-    assert (rxe["pcie"]["speed_gts"], rxe["pcie"]["width"]) == (2.5, 1)
-    assert rxe["pcie"]["ceiling_gbps"] == 2.0
-    assert result["picked"]["index"] == 1 and result["picked"]["ipv4"] == "198.18.78.1"
-    assert result["memlock_ok"]
+    for rail, peer in enumerate(("198.18.78.2", "198.18.80.2")):
+        code, out, err = run_in("prefill", [sys.executable, "-m", "kvctl", "probe", "--to",
+                                            peer, "--json"], state=lab)
+        assert code == 0, err
+        result = json.loads(out)
+        rxe = {device["name"]: device for device in result["devices"]}[f"rxe{rail}"]
+        assert rxe["netdev"] == f"wire{rail}"
+        assert rxe["ports"][0]["state"] == "ACTIVE" and rxe["ports"][0]["active_mtu"] == 1024
+        assert rxe["pcie"]["bdf"] == f"0000:0{rail + 1}:00.0"  # each NIC its own root port
+        assert (rxe["pcie"]["speed_gts"], rxe["pcie"]["width"]) == (2.5, 1)
+        assert rxe["pcie"]["ceiling_gbps"] == 2.0
+        # The path to the peer's rail decides the device, as it does for the daemons.
+        assert result["picked"]["device"] == f"rxe{rail}"
+        assert result["picked"]["index"] == 1
+        assert result["picked"]["ipv4"] == lab.nodes["prefill"].rail_addresses[rail]
+        assert result["memlock_ok"]
 
 
 def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
@@ -106,9 +117,10 @@ def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
     assert 0 < result.min_us <= result.typical_us <= result.p99_us
 
 
-def test_ib_write_bw_between_the_nodes(lab: LabState) -> None:
-    result = perftest.write_bw(1 << 20, 100, lab)
-    print(f"ib_write_bw 1 MiB: {result.gbps:.3f} Gb/s average")
+@pytest.mark.parametrize("rail", [0, 1])
+def test_ib_write_bw_between_the_nodes(lab: LabState, rail: int) -> None:
+    result = perftest.write_bw(1 << 20, 100, lab, rail=rail)
+    print(f"ib_write_bw 1 MiB on rail {rail}: {result.gbps:.3f} Gb/s average")
     assert result.gbps > 0 and result.iterations == 100
 
 
@@ -142,7 +154,9 @@ def test_status_lists_the_ports_and_a_second_lab_is_refused(lab: LabState) -> No
     assert status.returncode == 0
     for node in lab.nodes.values():
         assert f"127.0.0.1:{node.ports['control']}" in status.stdout
-        assert re.search(rf"{node.name}\s+up\s+{re.escape(node.wire_address)}", status.stdout)
+        wires = ", ".join(f"{address} (wire{rail}, rxe{rail})"
+                          for rail, address in enumerate(node.rail_addresses))
+        assert re.search(rf"{node.name}\s+up\s+{re.escape(wires)}", status.stdout)
     second = kvctl("lab", "up")
     assert second.returncode == 2
     assert "already up" in second.stderr and "kvctl lab down" in second.stderr

@@ -39,8 +39,11 @@ class Daemons:
 @pytest.fixture(scope="module", params=["verbs", "tcp"])
 def daemons(lab: LabState, request: pytest.FixtureRequest) -> Iterator[Daemons]:
     transport = request.param
+    # Listening on every address: a sender reaches it over either rail, and
+    # the data path follows the control connection's.
     receiver = NodeDaemon("decode", "receiver",
-                          receiver_config(transport=transport, pool_size="256MiB"), lab)
+                          receiver_config(transport=transport, pool_size="256MiB",
+                                          listen="0.0.0.0:7471"), lab)
     sender = NodeDaemon("prefill", "sender",
                         sender_config(transport=transport, staging_size="256MiB"), lab)
     receiver.start()
@@ -207,6 +210,46 @@ def test_one_sender_into_two_receivers(daemons: Daemons) -> None:
         second.stop()
 
 
+def _wire_counters(d: Daemons) -> dict[str, int]:
+    """The prefill node's bytes sent per wire, and packets sent per rxe device."""
+    code, out, err = run_in("prefill", ["sh", "-c", """
+for rail in 0 1; do
+    echo wire$rail $(cat /sys/class/net/wire$rail/statistics/tx_bytes)
+    echo rxe$rail $(cat /sys/class/infiniband/rxe$rail/ports/1/hw_counters/sent_pkts)
+done"""], state=d.state)
+    assert code == 0, err
+    return {name: int(value) for name, value in (line.split() for line in out.splitlines())}
+
+
+def test_a_peer_on_the_second_rail_is_served_over_that_rail_only(daemons: Daemons) -> None:
+    # The lab has two rails; a peer named by its rail-1 address: control and
+    # data both go over wire1 (and over verbs, rxe1), byte-exact, and the
+    # pool both daemons registered with each device serves either.
+    decode_rail1 = daemons.state.nodes["decode"].rail_addresses[1]
+    railed = NodeDaemon("prefill", "sender", sender_config(
+        f"prefill-rail1-{daemons.transport}", transport=daemons.transport, metrics="0.0.0.0:0",
+        staging_size="64MiB", peers={"decode": f"{decode_rail1}:7471"}),
+        daemons.state).start()
+    try:
+        req = f"{daemons.transport}-rail1"
+        decode = consume(daemons, [req], seed=13)
+        before = _wire_counters(daemons)
+        code, _, err = push(daemons, req, 13, "--chunk", "per-layer", socket=railed.socket)
+        after = _wire_counters(daemons)
+        assert code == 0, err
+        (received,) = records_of(decode)
+        assert received["bytes_ok"] and received["checksum_ok"]
+        sent = {name: after[name] - before[name] for name in after}
+        assert sent["wire1"] >= 48 << 20, sent
+        assert sent["wire0"] < 1 << 20, sent  # the agent is on mgmt0; nothing else uses wire0
+        if daemons.transport == "verbs":
+            assert sent["rxe1"] >= (48 << 20) // 1024, sent  # 1 KiB MTU: a packet per KiB
+            assert sent["rxe0"] < 1000, sent
+        print(f"{daemons.transport} over rail 1: {sent}")
+    finally:
+        railed.stop()
+
+
 def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
     lost = NodeDaemon("prefill", "sender", sender_config(
         f"prefill-lost-{daemons.transport}", transport=daemons.transport, metrics="0.0.0.0:0",
@@ -284,7 +327,9 @@ def test_memlock_too_low_is_refused_with_the_fix(daemons: Daemons) -> None:
     starved.start(wait=False)
     assert starved.exit_code(60) == 2, starved.log_tail()
     log = starved.log_text()
-    assert "RLIMIT_MEMLOCK) is 8 MiB" in log and "272 MiB" in log, log
+    # Pinned once per rail's device (the lab has two): 2 x 256 MiB + slack.
+    assert "RLIMIT_MEMLOCK) is 8 MiB" in log and "528 MiB" in log, log
+    assert "registered with each of rxe0, rxe1" in log, log
     assert "LimitMEMLOCK=infinity" in log and "ulimit -l unlimited" in log
 
 

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvwired.rdma import MemlockTooLow, NoRdmaPath, check_memlock, gid_table, pick_gid
+from kvwired.rdma import (
+    MemlockTooLow,
+    NoRdmaPath,
+    check_memlock,
+    gid_table,
+    pick_gid,
+    roce_devices,
+)
 
 
 def _port(root: Path, device: str, port: int, gids: dict[int, tuple[str, str, str]]) -> None:
@@ -43,6 +50,15 @@ def test_gid_table_skips_empty_entries(sysfs: Path) -> None:
     assert [(e.device, e.index) for e in table] == [("mlx5_1", 0), ("mlx5_1", 1),
                                                    ("rxe0", 0), ("rxe0", 1)]
     assert table[3].ipv4 == "198.18.78.1" and table[3].netdev == "wire0"
+
+
+def test_roce_devices_are_those_with_a_roce_v2_entry(sysfs: Path) -> None:
+    # A daemon registers its pool with each: every one is a rail a peer's
+    # address may route its data over.
+    _port(sysfs, "ib0", 1, {0: ("fe80:0000:0000:0000:0000:0000:0000:0001", "IB/RoCE v1", "")})
+    _port(sysfs, "rxe1", 1, {1: ("0000:0000:0000:0000:0000:ffff:c612:5001", "RoCE v2", "wire1")})
+    assert roce_devices(sysfs) == ["mlx5_1", "rxe0", "rxe1"]
+    assert roce_devices(sysfs / "absent") == []
 
 
 def test_the_roce_v2_entry_of_the_local_address_is_chosen(sysfs: Path) -> None:

@@ -12,7 +12,10 @@ from . import machine
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     lab = commands.add_parser("lab", help="two QEMU nodes with Soft-RoCE on this machine")
     verbs = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
-    verbs.add_parser("up", help="boot nodes prefill and decode; returns when both are ready")
+    up = verbs.add_parser("up", help="boot nodes prefill and decode; returns when both are ready")
+    up.add_argument("--rails", type=int, default=1, metavar="N",
+                    help=f"wire NICs per node, each with its own rxe device and subnet "
+                         f"(1 to {machine.MAX_RAILS}; default 1)")
     verbs.add_parser("status", help="nodes, addresses, and the host ports that reach them")
     verbs.add_parser("down", help="power the nodes off and remove everything of the lab")
     run = verbs.add_parser("exec", help="run a command in a node: kvctl lab exec NODE -- CMD")
@@ -22,9 +25,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def main(args: argparse.Namespace) -> int:
     if args.lab_command == "up":
-        state = machine.up()
+        state = machine.up(rails=args.rails)
+        wires = ", ".join(f"wire{rail}" for rail in range(state.rails))
         print(f"lab up in {state.booted_seconds:.1f} s (kernel {state.kernel}, software "
-              f"emulation, rdma_rxe on each node's wire0)")
+              f"emulation, rdma_rxe on each node's {wires})")
         _print_nodes(state, {name: "up" for name in state.nodes})
         return 0
     if args.lab_command == "status":
@@ -50,10 +54,13 @@ def _print_nodes(state: machine.LabState, health: dict[str, str]) -> None:
     rows = []
     for name, node in state.nodes.items():
         ports = node.ports
-        rows.append([name, health.get(name, "?"), f"{node.wire_address} (wire0, rxe0)",
+        addresses = node.rail_addresses or [node.wire_address]
+        wires = ", ".join(f"{address} (wire{rail}, rxe{rail})"
+                          for rail, address in enumerate(addresses))
+        rows.append([name, health.get(name, "?"), wires,
                      f"127.0.0.1:{ports['agent']}", f"127.0.0.1:{ports['control']}",
                      f"127.0.0.1:{ports['metrics_receiver']}",
                      f"127.0.0.1:{ports['metrics_sender']}"])
-    print(table.render(["node", "state", "wire address", "agent", "control :7471",
+    print(table.render(["node", "state", "wire addresses", "agent", "control :7471",
                         "receiver metrics :9471", "sender metrics :9472"], rows))
     print(f"consoles: {machine.STATE_DIR}/<node>.console")

@@ -1,8 +1,9 @@
 """perftest (ib_write_bw, ib_write_lat) between the lab nodes, run from the host.
 
-The server runs on ``decode``, the client on ``prefill``, over rxe0 with the
-RoCE v2 GID (index 1 in the lab). This checks the lab link itself; the
-baseline of an experiment is run by the daemons (``kvwired.experiments.perftest``).
+The server runs on ``decode``, the client on ``prefill``, over one rail's rxe
+device (rxe0 unless told) with the RoCE v2 GID (index 1 in the lab). This
+checks the lab link itself; the baseline of an experiment is run by the
+daemons (``kvwired.experiments.perftest``).
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ from kvwired.experiments.perftest import (
     parse_latency,
 )
 
-from .daemons import DECODE_ADDRESS
-from .machine import LabError, LabState, run_in
+from .machine import NODES, LabError, LabState, run_in
 
 GID_INDEX = "1"
 
 
 def run_pair(tool: str, args: list[str], state: LabState | None = None,
-             timeout: float = 90, tries: int = 3) -> str:
+             timeout: float = 90, tries: int = 3, rail: int = 0) -> str:
     """Run ``tool`` as server on decode and client on prefill; the client's output.
 
     perftest busy-polls, and on a one-CPU emulated node that can starve rxe's
@@ -33,7 +33,7 @@ def run_pair(tool: str, args: list[str], state: LabState | None = None,
     """
     failures = []
     for _ in range(tries):
-        out, error = _attempt(tool, args, state, timeout)
+        out, error = _attempt(tool, args, state, timeout, rail)
         if error is None:
             return out
         failures.append(error)
@@ -44,8 +44,9 @@ def run_pair(tool: str, args: list[str], state: LabState | None = None,
 
 
 def _attempt(tool: str, args: list[str], state: LabState | None,
-             timeout: float) -> tuple[str, str | None]:
-    base = [tool, "-d", "rxe0", "-x", GID_INDEX, *args]
+             timeout: float, rail: int) -> tuple[str, str | None]:
+    base = [tool, "-d", f"rxe{rail}", "-x", GID_INDEX, *args]
+    decode = next(node for node in NODES if node.name == "decode").rail_address(rail)
     limit = ["timeout", "-s", "KILL", str(int(timeout))]
     server: list[tuple[int, str, str]] = []
     thread = threading.Thread(
@@ -56,7 +57,7 @@ def _attempt(tool: str, args: list[str], state: LabState | None,
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:  # the server needs a moment to listen
         time.sleep(0.5)
-        code, out, err = run_in("prefill", [*limit, *base, DECODE_ADDRESS], state=state)
+        code, out, err = run_in("prefill", [*limit, *base, decode], state=state)
         if "Couldn't connect" not in out + err:
             break
     thread.join(timeout + 10)
@@ -67,9 +68,10 @@ def _attempt(tool: str, args: list[str], state: LabState | None,
     return out, None
 
 
-def write_bw(size: int, iterations: int, state: LabState | None = None) -> BandwidthFigures:
+def write_bw(size: int, iterations: int, state: LabState | None = None,
+             rail: int = 0) -> BandwidthFigures:
     out = run_pair("ib_write_bw", ["-s", str(size), "-n", str(iterations), "--report_gbits"],
-                   state)
+                   state, rail=rail)
     return parse_bandwidth(out, size)
 
 

@@ -6,7 +6,10 @@ read-only over virtio 9p with a tmpfs overlay of its own, and binds
 ``rdma_rxe`` to its wire NIC, which sits behind a PCIe root port so the
 probe finds a PCIe link under it. A second NIC (QEMU user networking,
 restricted: no way out) carries the agent and the forwarded management
-ports, reachable from the host on loopback.
+ports, reachable from the host on loopback. ``kvctl lab up --rails N``
+gives each node N wire NICs, each with its own Soft-RoCE device and subnet
+(wire0/rxe0 on 198.18.78.0/24, wire1/rxe1 on 198.18.80.0/24, ...): the
+rails a multi-NIC node stripes over.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ BOOT_TIMEOUT = float(os.environ.get("KVWIRE_LAB_BOOT_TIMEOUT", "240"))
 NODE_MEMORY_MIB = 2048
 WIRE_SUBNET = "198.18.78"  # RFC 2544 benchmarking range: nobody else's
 MGMT_NET = "198.18.79"
+# Rail r's subnet; rail 0 is the wire every lab has (WIRE_SUBNET).
+RAIL_SUBNETS = (WIRE_SUBNET, "198.18.80", "198.18.81", "198.18.82")
+MAX_RAILS = len(RAIL_SUBNETS)
 # Receive buffer for the wire's UDP sockets (see _wire_socket_buffers).
 WIRE_SOCKET_BUFFER = 4 << 20
 RMEM_DEFAULT = Path("/proc/sys/net/core/rmem_default")
@@ -62,11 +68,14 @@ class NodeSpec:
 
     @property
     def wire_address(self) -> str:
-        return f"{WIRE_SUBNET}.{self.index}"
+        return self.rail_address(0)
 
-    @property
-    def wire_mac(self) -> str:
-        return f"52:54:00:4b:57:{self.index:02x}"
+    def rail_address(self, rail: int) -> str:
+        return f"{RAIL_SUBNETS[rail]}.{self.index}"
+
+    def rail_mac(self, rail: int) -> str:
+        # 0x57 ('W') for rail 0, as before rails existed; 0x58.. for the others.
+        return f"52:54:00:4b:{0x57 + rail:02x}:{self.index:02x}"
 
     @property
     def mgmt_mac(self) -> str:
@@ -83,6 +92,7 @@ class NodeState:
     wire_address: str
     ports: dict[str, int]
     console: str
+    rail_addresses: list[str] = field(default_factory=list)  # wire0, wire1, ...
 
 
 @dataclass
@@ -91,6 +101,7 @@ class LabState:
     started: float
     booted_seconds: float = 0.0
     nodes: dict[str, NodeState] = field(default_factory=dict)
+    rails: int = 1
 
     def save(self) -> None:
         (STATE_DIR / "state.json").write_text(json.dumps(asdict(self), indent=2))
@@ -170,19 +181,27 @@ def why_lab_cannot_run() -> str | None:
 # --------------------------------------------------------------- the lab
 
 
-def _free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _free_udp_ports(count: int) -> list[int]:
+    """``count`` distinct free UDP ports on loopback (all held until all are found)."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            probe = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            probe.bind(("127.0.0.1", 0))
+            ports.append(int(probe.getsockname()[1]))
+        return ports
 
 
 def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: str,
-                  checkout: str, wire_ports: tuple[int, int]) -> list[str]:
+                  checkout: str, wire_ports: Sequence[tuple[int, int]]) -> list[str]:
+    """QEMU for ``node``; ``wire_ports`` holds (local, remote) UDP ports per rail."""
     stage2 = Path(__file__).with_name("node-init.sh")
+    rails = [f"kvwire.rail{rail}={node.rail_address(rail)}/24,{node.rail_mac(rail)}"
+             for rail in range(len(wire_ports))]
     append = " ".join([
         "console=ttyS0", "panic=-1", "quiet", "loglevel=4",
         f"kvwire.node={node.name}", f"kvwire.init={stage2}",
-        f"kvwire.wire={node.wire_address}/24", f"kvwire.wiremac={node.wire_mac}",
+        f"kvwire.rails={len(wire_ports)}", *rails,
         f"kvwire.mgmt={MGMT_NET}.15/24", f"kvwire.mgmtmac={node.mgmt_mac}",
         f"kvwire.gateway={MGMT_NET}.2", f"kvwire.python={python}",
         f"kvwire.checkout={checkout}", f"kvwire.agentport={AGENT_PORT}",
@@ -190,7 +209,6 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
     ])
     forwards = ",".join(f"hostfwd=tcp:127.0.0.1:{ports[name]}-:{guest}"
                         for name, guest in FORWARDED.items())
-    local, remote = wire_ports
     return [
         "qemu-system-x86_64", "-name", f"kvwire-lab-{node.name}",
         "-machine", "q35", "-accel", "tcg", "-cpu", "max", "-smp", "1",
@@ -203,18 +221,27 @@ def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: st
                    "multidevs=remap",
         # Read-write: where nodes leave logs and results for the host.
         "-virtfs", f"local,path={SHARED_DIR},mount_tag=labshare,security_model=none",
-        # The wire NIC behind a PCIe root port: the probe finds a PCIe link.
-        "-device", "pcie-root-port,id=rp1,slot=1,chassis=1",
-        # The wire is UDP on host loopback, one datagram per frame: like
-        # Ethernet it drops under overload (RoCE retransmits) and never
-        # blocks. A stream socket here deadlocked both QEMUs under heavy
-        # small-write traffic, each blocked writing to the other.
-        "-netdev", f"dgram,id=wire,local.type=inet,local.host=127.0.0.1,"
-                   f"local.port={local},remote.type=inet,remote.host=127.0.0.1,"
-                   f"remote.port={remote}",
-        "-device", f"virtio-net-pci,bus=rp1,netdev=wire,mac={node.wire_mac},romfile=",
+        *(arg for rail, ports in enumerate(wire_ports)
+          for arg in _rail_devices(node, rail, *ports)),
         "-netdev", f"user,id=mgmt,net={MGMT_NET}.0/24,host={MGMT_NET}.2,restrict=on,{forwards}",
         "-device", f"virtio-net-pci,netdev=mgmt,mac={node.mgmt_mac},romfile=",
+    ]
+
+
+def _rail_devices(node: NodeSpec, rail: int, local: int, remote: int) -> list[str]:
+    """One wire NIC: behind a PCIe root port of its own, so the probe finds a
+    PCIe link under its rxe device. The wire is UDP on host loopback, one
+    datagram per frame: like Ethernet it drops under overload (RoCE
+    retransmits) and never blocks. A stream socket here deadlocked both
+    QEMUs under heavy small-write traffic, each blocked writing to the other."""
+    port = f"rp{rail + 1}"
+    return [
+        "-device", f"pcie-root-port,id={port},slot={rail + 1},chassis={rail + 1}",
+        "-netdev", f"dgram,id=wire{rail},local.type=inet,local.host=127.0.0.1,"
+                   f"local.port={local},remote.type=inet,remote.host=127.0.0.1,"
+                   f"remote.port={remote}",
+        "-device", f"virtio-net-pci,bus={port},netdev=wire{rail},mac={node.rail_mac(rail)},"
+                   "romfile=",
     ]
 
 
@@ -226,8 +253,11 @@ def _checkout() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def up(out: Any = sys.stdout) -> LabState:
-    """Boot both nodes; return once both agents answer."""
+def up(out: Any = sys.stdout, rails: int = 1) -> LabState:
+    """Boot both nodes, each with ``rails`` wires; return once both agents answer."""
+    if not 1 <= rails <= MAX_RAILS:
+        raise LabError(f"the lab has 1 to {MAX_RAILS} rails, not {rails}",
+                       hint="kvctl lab up --rails 2")
     existing = LabState.load()
     if existing is not None:
         running = [n.name for n in existing.nodes.values() if alive(n.pid)]
@@ -244,9 +274,11 @@ def up(out: Any = sys.stdout) -> LabState:
     checkout = _checkout()
     SHARED_DIR.mkdir(parents=True, exist_ok=True)
     initramfs.build(kernel, BUSYBOX, STATE_DIR / "initramfs.cpio")
-    state = LabState(kernel=kernel, started=time.time())
+    state = LabState(kernel=kernel, started=time.time(), rails=rails)
     started = time.monotonic()
-    wire = [_free_udp_port() for _ in NODES]
+    # Per rail, one UDP port per node: each node sends to the other's.
+    free = iter(_free_udp_ports(rails * len(NODES)))
+    wire = [[next(free) for _ in NODES] for _ in range(rails)]
     with _wire_socket_buffers():
         try:
             for position, node in enumerate(NODES):
@@ -257,11 +289,12 @@ def up(out: Any = sys.stdout) -> LabState:
                     # Its own session: the node outlives this command until `down`.
                     process = subprocess.Popen(
                         _qemu_command(node, kernel, ports, _venv_python(), checkout,
-                                      (wire[position], wire[1 - position])),
+                                      [(pair[position], pair[1 - position]) for pair in wire]),
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True)
-                state.nodes[node.name] = NodeState(node.name, process.pid, node.wire_address,
-                                                   ports, str(console))
+                state.nodes[node.name] = NodeState(
+                    node.name, process.pid, node.wire_address, ports, str(console),
+                    [node.rail_address(rail) for rail in range(rails)])
                 state.save()
             for node in NODES:
                 _wait_for(functools.partial(_ping, state, node.name), BOOT_TIMEOUT, node.name,

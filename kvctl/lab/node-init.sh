@@ -36,26 +36,39 @@ iface_with_mac() {
 modprobe virtio_net || die "modprobe virtio_net"
 modprobe rdma_rxe || die "modprobe rdma_rxe"
 ip link set lo up
+# Rail r is kvwire.railR=ADDRESS/PREFIX,MAC: NIC wireR with Soft-RoCE rxeR.
+rails=$(param rails)
 for _ in $(seq 50); do
-    wire=$(iface_with_mac "$(param wiremac)"); mgmt=$(iface_with_mac "$(param mgmtmac)")
-    [ -n "$wire" ] && [ -n "$mgmt" ] && break
+    mgmt=$(iface_with_mac "$(param mgmtmac)")
+    missing=0
+    for rail in $(seq 0 $((rails - 1))); do
+        [ -n "$(iface_with_mac "$(param rail$rail | cut -d, -f2)")" ] || missing=1
+    done
+    [ -n "$mgmt" ] && [ "$missing" = 0 ] && break
     sleep 0.1
 done
-[ -n "$wire" ] || die "no NIC with MAC $(param wiremac)"
 [ -n "$mgmt" ] || die "no NIC with MAC $(param mgmtmac)"
 # Stable names, whatever order PCI enumeration gave.
-ip link set "$wire" name wire0 && wire=wire0
 ip link set "$mgmt" name mgmt0 && mgmt=mgmt0
-ip addr add "$(param wire)" dev "$wire"
-ip link set "$wire" up
 ip addr add "$(param mgmt)" dev "$mgmt"
 ip link set "$mgmt" up
 ip route add default via "$(param gateway)" dev "$mgmt" 2>/dev/null
-rdma link add rxe0 type rxe netdev "$wire" || die "rdma link add rxe0"
+wires=""
+for rail in $(seq 0 $((rails - 1))); do
+    spec=$(param rail$rail)
+    address=${spec%%,*}
+    nic=$(iface_with_mac "${spec#*,}")
+    [ -n "$nic" ] || die "no NIC with MAC ${spec#*,} for rail $rail"
+    ip link set "$nic" name "wire$rail" || die "renaming $nic to wire$rail"
+    ip addr add "$address" dev "wire$rail"
+    ip link set "wire$rail" up
+    rdma link add "rxe$rail" type rxe netdev "wire$rail" || die "rdma link add rxe$rail"
+    wires="$wires wire$rail $address (rxe$rail)"
+done
 
 checkout=$(param checkout)
 [ -d "$checkout" ] || die "checkout $checkout not visible in the node"
-say "node $node up: wire $wire $(param wire), rxe0 on $wire"
+say "node $node up:$wires"
 
 # systemd becomes PID 1, as on a real node: it runs the agent that
 # `kvctl lab exec` talks to, and kvwired's own units once `make install`

@@ -50,7 +50,7 @@ from pyverbs.wr import SGE, RecvWR
 
 from ..errors import RemoteAccessError, TransportError
 from ..pool import SharedMemory
-from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid
+from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid, roce_devices
 from ..units import format_size
 from .base import (
     DataChannel,
@@ -813,13 +813,20 @@ class VerbsTransport(Transport):
         return self._memory.size
 
     async def start(self, memory: SharedMemory) -> None:
-        check_memlock(memory.size, f"the {format_size(memory.size)} pool")
+        # Register now, so a registration problem stops the daemon at start
+        # instead of failing the first request: with the configured device, or
+        # with every device that carries RoCE v2, since a peer's control
+        # address decides which one a connection's data takes (a node with
+        # several rails has one per rail). Each registration pins the pool
+        # again, and the kernel counts every one against RLIMIT_MEMLOCK.
+        names = [self._device_name] if self._device_name else roce_devices()
+        pinned = memory.size * max(1, len(names))
+        check_memlock(pinned, f"the {format_size(memory.size)} pool"
+                      + (f", registered with each of {', '.join(names)}," if len(names) > 1
+                         else ""))
         self._memory = memory
-        # Register now with the configured (or only) device, so a registration
-        # problem stops the daemon at start instead of failing the first request.
-        names = [self._device_name] if self._device_name else devices()
-        if len(names) == 1:
-            self._device(names[0])
+        for name in names:
+            self._device(name)
 
     def _device(self, name: str) -> _Device:
         if name not in self._devices:
