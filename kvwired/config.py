@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import stripes
 from .discovery.address import RegistryAddress
 from .errors import ConfigError
 from .layout import resolve_chunk_bytes
+from .rdma import active_roce_devices
 from .units import parse_size
 
 
@@ -160,10 +162,29 @@ class SenderConfig(CommonConfig):
         None, "receivers by name: NAME=HOST:PORT (repeat the flag for more)", "peers"
     )
     metrics: str = _opt("127.0.0.1:9472", "host:port of the Prometheus endpoint (port 0: off)")
+    qps_per_peer: int = _opt(
+        1, "data channels (RC queue pairs, or TCP streams) to each receiver; a push's "
+        "chunks are striped over them")
+    rails: list[str] = _opt(
+        None, "RDMA devices (rails) the data channels are spread over, channel i on rail "
+        "i mod n (comma-separated as a flag); auto: every device with an active RoCE v2 "
+        "port; empty: the device of the control connection's address", "names")
 
     def __post_init__(self) -> None:
         if self.peers is None:
             self.peers = {}
+        if self.rails is None:
+            self.rails = []
+
+    def rail_devices(self) -> list[str]:
+        """The rails as device names (``auto`` read off sysfs now); [] for none."""
+        if self.rails == ["auto"]:
+            found = active_roce_devices()
+            if not found:
+                raise ConfigError("rails = auto, but no device has an active RoCE v2 port",
+                                  hint="`kvctl probe` lists the devices; or leave rails empty")
+            return found
+        return list(self.rails)
 
     @property
     def chunk_bytes(self) -> int:
@@ -290,6 +311,22 @@ def _check(config: CommonConfig) -> None:
             config.advertised_control()
     if isinstance(config, SenderConfig):
         config.chunk_bytes  # noqa: B018  (validates the granularity)
+        if "auto" in config.rails and config.rails != ["auto"]:
+            raise ConfigError(f"rails {config.rails}: auto stands alone",
+                              hint='rails = ["auto"], or name the devices: ["mlx5_0", "mlx5_1"]')
+        if config.rails and config.transport == "tcp":
+            raise ConfigError("rails are RDMA devices, and this sender's transport is tcp",
+                              hint="remove rails, or use transport = \"verbs\"")
+        if len(config.rails) > config.qps_per_peer and config.rails != ["auto"]:
+            raise ConfigError(
+                f"{len(config.rails)} rails but qps_per_peer = {config.qps_per_peer}: "
+                "some rails would carry nothing",
+                hint=f"set qps_per_peer to at least {len(config.rails)} (a multiple of it "
+                     "spreads the channels evenly)")
+        if not 1 <= config.qps_per_peer <= stripes.MAX_CHANNELS:
+            raise ConfigError(
+                f"qps_per_peer {config.qps_per_peer} is outside 1..{stripes.MAX_CHANNELS}",
+                hint="1 (the default) for one queue pair per receiver; more stripe each push")
         for name, address in config.peers.items():
             parse_address(address, 7471)
             if not name:

@@ -111,6 +111,17 @@ class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connec
     """The other daemon went away while work was in flight."""
 
 
+class RailFailed(TransportError, code="rail_failed", status="rail_failed",
+                 hint="the link is rebuilt on the rails that are left; the failed one is "
+                      "tried again after a backoff (kvwire_rail_errors_total counts it)"):
+    """A rail (one RDMA device) could not carry a data channel's probe."""
+
+    def __init__(self, message: str, *, hint: str = "", status: str | None = None,
+                 rail: str = "") -> None:
+        super().__init__(message, hint=hint, status=status)
+        self.rail = rail
+
+
 class AuthenticationFailed(
         KvwireError, code="auth_failed",
         hint="both daemons need credentials from the same cluster CA: `kvctl keys issue "

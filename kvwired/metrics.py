@@ -132,6 +132,16 @@ class Metrics:
             "remote_access, connection_lost, ...)",
             ["peer", "status"], registry=r,
         )
+        # Per rail (the RDMA device a data channel runs on; "default": the
+        # control connection's, when no rails are configured).
+        self.rail_bytes = Counter(
+            "kvwire_rail_bytes_total", "payload bytes posted per rail (sender)",
+            ["peer", "rail"], registry=r,
+        )
+        self.rail_errors = Counter(
+            "kvwire_rail_errors_total", "data channels failed per rail, by status (sender)",
+            ["peer", "rail", "status"], registry=r,
+        )
         self.reconnects = Counter(
             "kvwire_reconnects_total",
             "control and data connections to a receiver rebuilt after the first",
@@ -200,7 +210,7 @@ class Metrics:
         configuration), so a fleet that changes does not grow the page."""
         for metric in (self.bytes, self.writes, self.post_seconds, self.wait_seconds,
                        self.completion_errors, self.reconnects, self.requests,
-                       self.request_seconds):
+                       self.request_seconds, self.rail_bytes, self.rail_errors):
             for labels in list(metric._metrics):  # prometheus_client keeps no public list
                 if labels and labels[0] == peer:
                     metric.remove(*labels)

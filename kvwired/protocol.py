@@ -24,10 +24,10 @@ from typing import Any
 
 import msgpack
 
-from . import immediate
+from . import immediate, stripes
 from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # An engine's ``peer`` that lets the sender choose (discovery: the connected
 # receiver with the most free pool). No receiver may be named so.
 AUTO_PEER = "auto"
@@ -95,6 +95,15 @@ def _error(value: Any) -> str | None:
     return None
 
 
+def _keys(value: Any) -> str | None:
+    if not 1 <= len(value) <= stripes.MAX_CHANNELS:
+        return f"{len(value)} keys, not 1..{stripes.MAX_CHANNELS}"
+    for key in value:
+        if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 32:
+            return f"{key!r} is not a 32-bit remote key"
+    return None
+
+
 def _names(value: Any) -> str | None:
     if len(value) > 16 or not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
         return "not a list of at most 16 short names"
@@ -116,6 +125,10 @@ LAYER = _f(int, check=_int_range(0, immediate.MAX_LAYERS - 1),
 CREDITS = _f(int, check=_int_range(1, 1 << 16), expected="1 to 65536 credits")
 CHECKSUM = _f(int, check=_int_range(0, U64), expected="an unsigned 64-bit checksum")
 KEY = _f(int, check=_int_range(0, (1 << 32) - 1), expected="a 32-bit remote key")
+KEYS = _f(list, check=_keys,
+          expected=f"a list of 1 to {stripes.MAX_CHANNELS} 32-bit remote keys, one per channel")
+CHANNEL = _f(int, required=False, check=_int_range(0, stripes.MAX_CHANNELS - 1),
+             expected=f"a data channel in 0..{stripes.MAX_CHANNELS - 1}")
 SHAPE = _f(dict, check=_shape, expected="{layers: 1..1024, layer_bytes: 1..2^40}")
 DICT = _f(dict)
 ERROR = _f(dict, check=_error, expected="{code, message[, hint, status]} strings")
@@ -129,17 +142,21 @@ Schema = Mapping[str, Mapping[str, Field]]
 CONTROL: Schema = {
     "hello": {"role": STR, "name": STR, "transports": NAMES},
     "welcome": {"name": STR, "transport": STR, "credits": CREDITS},
+    # One data channel: in the handshake, then once per further channel
+    # (qps_per_peer), each answered by its ``ready``.
     "connect": {"params": DICT},
     "ready": {"params": DICT},
     # discard=1: an experiment's request, freed as soon as it is delivered.
     "open": {"req": REQ, "shape": SHAPE, "discard": FLAG},
-    # key: the remote key for this lease's bytes alone, live while it fills.
-    "lease": {"req": REQ, "lease": LEASE, "offset": INT, "key": KEY},
+    # keys: the remote keys for this lease's bytes alone, one per data
+    # channel the session had when it was granted, live while it fills.
+    "lease": {"req": REQ, "lease": LEASE, "offset": INT, "keys": KEYS},
     "refused": {"req": REQ, "error": ERROR},
     "abort": {"req": REQ, "lease": LEASE, "error": ERROR},
     "abort_ack": {"req": REQ, "lease": LEASE},
     "delivered": {"req": REQ, "lease": LEASE, "checksum": CHECKSUM},
-    "credits": {"n": CREDITS},
+    # Credits of one data channel's receives (the first one's when absent).
+    "credits": {"n": CREDITS, "channel": CHANNEL},
     # Echo mode (kvctl run chunk-sweep): the receiver leases a slot and opens a
     # data channel back to the sender; an immediate naming the echo lease is
     # answered by a write of the same size (sizes[layer bits]) with the same

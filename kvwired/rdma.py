@@ -1,13 +1,14 @@
 """RDMA facts read from the system: devices, GID tables, memlock.
 
-Everything here reads sysfs and resource limits only (no verbs calls), so it
-works, and is tested, on machines without RDMA.
+Everything here reads sysfs, resource limits and the routing table only (no
+verbs calls), so it works, and is tested, on machines without RDMA.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import resource
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,37 @@ def devices(root: Path = SYSFS) -> list[str]:
 def roce_devices(root: Path = SYSFS) -> list[str]:
     """Devices with a RoCE v2 GID: those a kvwire data path can run over."""
     return sorted({entry.device for entry in gid_table(root) if entry.type == ROCE_V2})
+
+
+def active_roce_devices(root: Path = SYSFS) -> list[str]:
+    """Devices with a RoCE v2 GID on a port that is ACTIVE: ``rails = ["auto"]``."""
+    active = set()
+    for entry in gid_table(root):
+        state = _read(root / entry.device / "ports" / str(entry.port) / "state") or ""
+        if entry.type == ROCE_V2 and state.endswith("ACTIVE"):
+            active.add(entry.device)
+    return sorted(active)
+
+
+def rail_gid(device: str, root: Path = SYSFS) -> GidEntry:
+    """The GID a data channel on rail ``device`` uses: its first IPv4 RoCE v2 entry
+    (the address the rail's netdev holds), else its first RoCE v2 entry."""
+    entries = [e for e in gid_table(root) if e.device == device and e.type == ROCE_V2]
+    if not entries:
+        found = ", ".join(roce_devices(root)) or "none"
+        raise NoRdmaPath(f"rail {device} has no RoCE v2 GID",
+                         hint=f"devices with one: {found}; give its netdev an address, or "
+                              "leave the device out of `rails`")
+    with_ipv4 = [e for e in entries if e.ipv4 is not None]
+    return (with_ipv4 or entries)[0]
+
+
+def source_address(peer: str) -> str:
+    """The local address this host's routes reach ``peer`` from (no packet is sent)."""
+    family = socket.AF_INET6 if ipaddress.ip_address(peer).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 4791))  # the RoCE v2 port; connect() on UDP only routes
+        return str(probe.getsockname()[0])
 
 
 def _read(path: Path) -> str | None:

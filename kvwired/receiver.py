@@ -18,7 +18,7 @@ from typing import Protocol
 
 import structlog
 
-from . import checksum, gate, immediate
+from . import checksum, gate, immediate, stripes
 from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
 from .daemon import Daemon
@@ -81,13 +81,17 @@ class Lease:
     slot: Slot
     session: SenderSession
     machine: LeaseMachine
+    # Which layers have landed, from the immediates of each data channel
+    # the lease was granted on (kvwired.stripes).
+    fence: stripes.LandingFence
     landed: int = 0
     # Each landed layer's digest, hashed as its immediate arrives (kvwired.checksum).
     digests: list[asyncio.Future[int]] = field(default_factory=list)
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
-    key: int = 0  # the sender's remote key for this slot alone
+    # The sender's remote keys for this slot alone, one per data channel.
+    keys: list[int] = field(default_factory=list)
     key_state: str = "live"  # live, revoking (all landed, or freed), revoked
     after_revoke: list[Callable[[], None]] = field(default_factory=list)
     # Decode engines subscribed to it now, and whether any ever did.
@@ -102,29 +106,44 @@ class Lease:
 
 @dataclass(eq=False)
 class SenderSession:
-    """One connected sender: its control connection and data-path responder."""
+    """One connected sender: its control connection and data-path responders,
+    one per data channel (``qps_per_peer`` on the sender)."""
 
     conn: ControlConnection
     name: str = "?"
     label: str = "?"  # its name in metrics: bounded (see ReceiverDaemon._peer_label)
-    responder: Responder | None = None
+    responders: list[Responder] = field(default_factory=list)
     leases: set[int] = field(default_factory=set)
-    credits_to_return: int = 0
+    # Credits to hand back, per channel: each channel's receives are its own.
+    credits_to_return: dict[int, int] = field(default_factory=dict)
     alive: bool = True
     writes_counted: int = 0
 
-    def return_credits(self, n: int) -> None:
-        """Hand ``n`` credits back: one ``credits`` message per loop turn."""
+    @property
+    def responder(self) -> Responder | None:
+        """The first channel's: the one services (echo leases) use."""
+        return self.responders[0] if self.responders else None
+
+    @property
+    def writes_received(self) -> int:
+        return sum(responder.writes_received for responder in self.responders)
+
+    def return_credits(self, n: int, channel: int = 0) -> None:
+        """Hand ``n`` credits of ``channel`` back: one ``credits`` message per
+        channel per loop turn."""
         if n <= 0:
             return
-        self.credits_to_return += n
-        if self.credits_to_return == n:
+        if not self.credits_to_return:
             asyncio.get_running_loop().call_soon(self._flush_credits)
+        self.credits_to_return[channel] = self.credits_to_return.get(channel, 0) + n
 
     def _flush_credits(self) -> None:
-        if self.credits_to_return and self.alive:
-            self.conn.send(message("credits", n=self.credits_to_return))
-        self.credits_to_return = 0
+        returning, self.credits_to_return = self.credits_to_return, {}
+        if not self.alive:
+            return
+        for channel, n in returning.items():
+            fields = {"channel": channel} if channel else {}
+            self.conn.send(message("credits", n=n, **fields))
 
 
 class ReceiverService(Protocol):
@@ -238,8 +257,8 @@ class ReceiverDaemon(Daemon):
     def live_metrics(self) -> Iterator[LiveSample]:
         posted: dict[str, int] = {}  # by label: "other" may stand for several
         for session in list(self.sessions):
-            posted[session.label] = posted.get(session.label, 0) + (
-                session.responder.receives_posted if session.responder else 0)
+            posted[session.label] = posted.get(session.label, 0) + sum(
+                responder.receives_posted for responder in session.responders)
         for label, count in posted.items():
             yield ("kvwire_receives_posted", "receives posted for a sender's immediates "
                    "(verbs; 0 over tcp)", ["peer"], [label], float(count))
@@ -364,15 +383,36 @@ class ReceiverDaemon(Daemon):
         connect = await conn.recv(self._gate.timeout)
         if connect["t"] != "connect":
             raise ProtocolError(f"expected connect, got {connect['t']!r}")
-        session.responder = self.transport.responder(
-            conn.local_host,
-            lambda imm: self._on_immediate(session, imm),
-            lambda exc: self._on_data_error(session, exc),
-        )
-        answer = await session.responder.accept(connect["params"])
-        conn.send(message("ready", params=answer))
+        await self._add_channel(session, connect)
         log.info("sender connected", sender=session.name, peer=conn.peer_address,
                  authenticated=self.trust is not None)
+
+    async def _add_channel(self, session: SenderSession, connect: Message) -> None:
+        """One more data channel for the session: the first in the handshake,
+        the others (``qps_per_peer``) as ``connect`` messages after it.
+        Leases are granted on the channels the session has at the time."""
+        channel = len(session.responders)
+        if channel >= stripes.MAX_CHANNELS:
+            raise ProtocolError(
+                f"sender {session.name} asked for data channel {channel + 1}; at most "
+                f"{stripes.MAX_CHANNELS} are served",
+                hint=f"set qps_per_peer to at most {stripes.MAX_CHANNELS}")
+        responder = self.transport.responder(
+            session.conn.local_host,
+            lambda imm: self._on_immediate(session, channel, imm),
+            lambda exc: self._on_data_error(session, exc),
+        )
+        session.responders.append(responder)
+        session.conn.send(message("ready", params=await responder.accept(connect["params"])))
+
+    async def _connect_more(self, session: SenderSession, msg: Message) -> None:
+        try:
+            await self._add_channel(session, msg)
+        except KvwireError as exc:
+            if isinstance(exc, ProtocolError):
+                self.metrics.protocol_errors.labels("control").inc()
+            log.warning("data channel refused", sender=session.name, error=str(exc))
+            session.conn.fail(exc)
 
     def _peer_label(self, name: str) -> str:
         """The peer label for a sender's metrics. Names are bounded when they
@@ -405,6 +445,8 @@ class ReceiverDaemon(Daemon):
         kind = msg["t"]
         if kind == "open":
             spawn(self._open(session, msg), f"open-{msg['req']}")
+        elif kind == "connect":
+            spawn(self._connect_more(session, msg), "connect")
         elif kind in ("abort", "abort_ack"):
             # A lease this sender no longer holds is one we already freed: the
             # message crossed ours. Anything else out of turn breaks the protocol.
@@ -460,26 +502,30 @@ class ReceiverDaemon(Daemon):
             if not isinstance(error, DuplicateRequest):  # theirs is the request we hold
                 self._tell_refused(req, error)
             return
-        responder = session.responder
-        assert responder is not None, "a session has its responder from the handshake"
+        responders = list(session.responders)
+        assert responders, "a session has its first responder from the handshake"
+        keys: list[int] = []
         try:
-            key = await responder.grant(slot.offset, shape.total_bytes)
+            for responder in responders:
+                keys.append(await responder.grant(slot.offset, shape.total_bytes))
         except KvwireError as exc:
-            self._give_back(session.name, slot, shape.total_bytes)
+            self._revoke_keys(responders, keys, lambda: self._give_back(
+                session.name, slot, shape.total_bytes))
             if session.alive:
                 session.conn.send(message("refused", req=req, error=exc.to_wire()))
             self._tell_refused(req, exc)
             return
         if not session.alive or req in self.by_req:
-            responder.revoke(key, lambda: self._give_back(session.name, slot,
-                                                          shape.total_bytes))
+            self._revoke_keys(responders, keys, lambda: self._give_back(
+                session.name, slot, shape.total_bytes))
             if session.alive:
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
             return
         lease = Lease(self.allocate_lease_id(), req, shape, slot, session, LeaseMachine(req),
+                      stripes.LandingFence(len(keys), shape.layers),
                       opened_at=asyncio.get_running_loop().time(),
-                      discard=bool(msg.get("discard")), key=key)
+                      discard=bool(msg.get("discard")), keys=keys)
         # Engines that subscribed before it was opened hold it already.
         lease.holders = set(self.subscribers.get(req, ()))
         lease.claimed = bool(lease.holders)
@@ -488,7 +534,7 @@ class ReceiverDaemon(Daemon):
         session.leases.add(lease.id)
         self.update_pool_metrics()
         session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset,
-                                  key=key))
+                                  keys=keys))
 
     @staticmethod
     def _quota_limit(config: ReceiverConfig) -> int | None:
@@ -521,27 +567,29 @@ class ReceiverDaemon(Daemon):
 
     # ---------------------------------------------------------- data path
 
-    def _on_immediate(self, session: SenderSession, imm: int) -> None:
+    def _on_immediate(self, session: SenderSession, channel: int, imm: int) -> None:
         self._count_received(session)
         lease_id, layer = immediate.unpack(imm)
         lease = self.leases.get(lease_id)
-        if lease is None:
+        if lease is None and channel == 0:  # services (echo leases) use the first channel
             for service in self.services:
                 taken = service.on_immediate(session, lease_id, layer)
                 if taken is not immediate.Taken.NOT_OURS:
                     if taken is immediate.Taken.TAKEN:
                         session.return_credits(1)
                     return
-        session.return_credits(1)
+        session.return_credits(1, channel)
         if (lease is None or lease.session is not session
                 or lease.state is not LeaseState.FILLING
-                or not lease.landed <= layer < lease.shape.layers):
+                or (landed := lease.fence.report(channel, layer)) is None):
             self.metrics.stale_immediates.inc()
-            log.debug("stale immediate dropped", lease=lease_id, layer=layer)
+            log.debug("stale immediate dropped", lease=lease_id, layer=layer, channel=channel)
             return
+        if not landed:
+            return  # other channels still place their part of the layer
         memory = self.pool.memory.view
         loop = asyncio.get_running_loop()
-        for n in range(lease.landed, layer + 1):
+        for n in landed:
             self._notify(lease.req, message("layer", req=lease.req, layer=n))
             # Hashed now, beside the loop, while later layers are still on
             # the wire: only the last one is left for the end (kvwired.checksum).
@@ -557,8 +605,8 @@ class ReceiverDaemon(Daemon):
                 last.set_result(checksum.of_layer(view))
                 lease.digests.append(last)
         self.metrics.bytes.labels(session.label, "received").inc(
-            (layer + 1 - lease.landed) * lease.shape.layer_bytes)
-        lease.landed = layer + 1
+            len(landed) * lease.shape.layer_bytes)
+        lease.landed = lease.fence.landed
         if lease.landed == lease.shape.layers:
             self._lease_event(lease, LeaseEvent.ALL_LANDED)
             spawn(self._complete(lease), f"complete-{lease.req}")
@@ -567,10 +615,9 @@ class ReceiverDaemon(Daemon):
         # Writes as the transport saw them, once per immediate rather than per
         # write: every write over TCP, only the immediates over verbs (the rest
         # never involve the receiver's CPU).
-        responder = session.responder
-        if responder is None:
+        if not session.responders:
             return
-        writes = responder.writes_received - session.writes_counted
+        writes = session.writes_received - session.writes_counted
         session.writes_counted += writes
         self.metrics.writes.labels(session.label, "received", "write_imm").inc()
         if writes > 1:
@@ -667,12 +714,25 @@ class ReceiverDaemon(Daemon):
             def revoked() -> None:
                 lease.key_state = "revoked"
                 self._run_after_revoke(lease)
-            responder = lease.session.responder
-            if responder is None:
-                revoked()
-            else:
-                responder.revoke(lease.key, revoked)
+            self._revoke_keys(lease.session.responders, lease.keys, revoked)
         # "revoking": ``then`` runs with the others when the revocation ends.
+
+    @staticmethod
+    def _revoke_keys(responders: list[Responder], keys: list[int],
+                     then: Callable[[], None]) -> None:
+        """End each channel's key; ``then`` runs once no write under any can land."""
+        left = len(keys)
+        if not left:
+            then()
+            return
+
+        def one_revoked() -> None:
+            nonlocal left
+            left -= 1
+            if left == 0:
+                then()
+        for responder, key in zip(responders, keys, strict=False):
+            responder.revoke(key, one_revoked)
 
     @staticmethod
     def _run_after_revoke(lease: Lease) -> None:
@@ -691,8 +751,8 @@ class ReceiverDaemon(Daemon):
         session.alive = False
         self.sessions.discard(session)
         self.metrics.peers.set(len(self.sessions))
-        if session.responder is not None:
-            session.responder.close()
+        for responder in session.responders:
+            responder.close()
         for service in self.services:
             service.session_closed(session)
         # The connection is gone, so no write of it can land any more: what

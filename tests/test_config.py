@@ -99,3 +99,41 @@ def test_shipped_example_configs_load() -> None:
     assert receiver.pool_size == 256 << 20
     assert sender.chunk_bytes == 12288
     assert "decode-0" in sender.peers
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("qps_per_peer = 0\n", r"qps_per_peer 0 is outside 1\.\.16"),
+        ("qps_per_peer = 17\n", r"qps_per_peer 17 is outside 1\.\.16"),
+        ('rails = ["auto", "mlx5_0"]\nqps_per_peer = 2\n', "auto stands alone"),
+        ('rails = ["rxe0"]\ntransport = "tcp"\n', "transport is tcp"),
+        ('rails = ["rxe0", "rxe1"]\n', "2 rails but qps_per_peer = 1"),
+    ],
+)
+def test_channel_and_rail_mistakes_are_explained(tmp_path: Path, text: str,
+                                                 message: str) -> None:
+    config = tmp_path / "sender.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load(SenderConfig, path=str(config))
+
+
+def test_rails_as_a_list_or_a_flag(tmp_path: Path) -> None:
+    config = tmp_path / "sender.toml"
+    config.write_text('rails = ["rxe0", "rxe1"]\nqps_per_peer = 4\n')
+    loaded = load(SenderConfig, path=str(config))
+    assert (loaded.rails, loaded.qps_per_peer, loaded.rail_devices()) == (
+        ["rxe0", "rxe1"], 4, ["rxe0", "rxe1"])
+    args = build_parser().parse_args(["sender", "--rails", "rxe0,rxe1", "--qps-per-peer", "2"])
+    assert load(SenderConfig, args).rails == ["rxe0", "rxe1"]
+    assert load(SenderConfig).rails == [] and load(SenderConfig).qps_per_peer == 1
+
+
+def test_configs_written_by_kvctl_keep_their_lists(tmp_path: Path) -> None:
+    from kvctl.netns import write_toml
+
+    write_toml(tmp_path / "sender.toml", {"rails": ["rxe0", "rxe1"], "qps_per_peer": 2,
+                                          "peers": {"decode": "10.0.0.2:7471"}})
+    loaded = load(SenderConfig, path=str(tmp_path / "sender.toml"))
+    assert loaded.rails == ["rxe0", "rxe1"] and loaded.peers == {"decode": "10.0.0.2:7471"}

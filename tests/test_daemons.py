@@ -69,7 +69,7 @@ async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
         (encode({"t": "hello", "v": 99, "role": "sender", "name": "rogue", "transports": ["tcp"]}),
          "version", "version 99"),
         (struct.pack(">I", 1 << 30), "frame_too_large", "limit"),
-        (encode(message("lease", req="r", lease=1, offset=0, key=9)), "protocol", "hello"),
+        (encode(message("lease", req="r", lease=1, offset=0, keys=[9])), "protocol", "hello"),
     ],
 )
 async def test_bad_control_frames_get_a_reason_and_others_are_still_served(

@@ -60,7 +60,7 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     await until(lambda: roomy.sender.staging.used_bytes == 0, what="the staging empty")
     # Every credit a ping spent came back, by its answer, and none twice.
     link = roomy.sender.links["decode"]
-    await until(lambda: link.credits == roomy.receiver.config.credits,
+    await until(lambda: link.credits == [roomy.receiver.config.credits],
                 what="the sender's credits back to the receiver's grant")
     assert not roomy.receiver.leases
     assert all(not getattr(service, "echoes", {}) for service in roomy.receiver.services)

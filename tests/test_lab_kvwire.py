@@ -250,6 +250,121 @@ def test_a_peer_on_the_second_rail_is_served_over_that_rail_only(daemons: Daemon
         railed.stop()
 
 
+def test_four_channels_per_peer_every_granularity_byte_exact(daemons: Daemons) -> None:
+    # qps_per_peer = 4: four RC queue pairs (TCP: four streams) to the
+    # receiver; every layer is announced only once all four placed their part.
+    # Over verbs the four are spread over the lab's two rails, rxe0 and rxe1.
+    rails: dict[str, Any] = {"rails": ["rxe0", "rxe1"]} if daemons.transport == "verbs" else {}
+    striped = NodeDaemon("prefill", "sender", sender_config(
+        f"prefill-qp4-{daemons.transport}", transport=daemons.transport, metrics="0.0.0.0:0",
+        staging_size="64MiB", qps_per_peer=4, **rails), daemons.state).start()
+    try:
+        before = _wire_counters(daemons)
+        for granularity in ("per-token-per-layer", "per-token", "per-layer", "whole"):
+            req = f"{daemons.transport}-qp4-{granularity}"
+            decode = consume(daemons, [req], seed=17)
+            code, pushed, err = push(daemons, req, 17, "--chunk", granularity,
+                                     socket=striped.socket)
+            assert code == 0, err
+            (received,) = records_of(decode)
+            assert received["bytes_ok"] and received["checksum_ok"], received
+            (record,) = pushed
+            print(f"{daemons.transport} 4 channels {granularity}: {record['gbps']:.3f} Gb/s, "
+                  f"{record['seconds'] * 1e3:.0f} ms")
+        sent = {name: value - before[name] for name, value in _wire_counters(daemons).items()}
+        print(f"{daemons.transport} 4 channels, sent per wire and device: {sent}")
+        log = striped.log_text()
+        assert '"channels": 4' in log, log[-2000:]
+        if rails:
+            # Two channels a rail: each wire carried a share of the 4 x 48 MiB.
+            assert '"rails": ["rxe0", "rxe1"]' in log, log[-2000:]
+            for rail in ("rxe0", "rxe1"):
+                assert sent[rail] >= (48 << 20) // 1024, sent  # 1 KiB MTU: a packet per KiB
+            for wire in ("wire0", "wire1"):
+                assert sent[wire] >= 48 << 20, sent
+    finally:
+        striped.stop()
+
+
+def _netem(d: Daemons, wire: str, rule: str | None) -> None:
+    argv = (["tc", "qdisc", "replace", "dev", wire, "root", "netem", *rule.split()] if rule
+            else ["tc", "qdisc", "del", "dev", wire, "root"])
+    code, _, err = run_in("prefill", argv, state=d.state)
+    assert code == 0 or rule is None, err
+
+
+def _wait_for_log(daemon: NodeDaemon, pattern: str, since: int, timeout: float) -> float:
+    """Seconds until ``pattern`` shows in the daemon's log after its first ``since`` chars."""
+    started = time.monotonic()
+    while pattern not in daemon.log_text()[since:]:
+        assert time.monotonic() - started < timeout, \
+            f"{pattern!r} not in the log within {timeout:g} s:\n{daemon.log_text()[-3000:]}"
+        time.sleep(0.2)
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
+def test_a_rail_dropped_mid_push_fails_it_fast_the_other_carries_on_and_it_comes_back(
+        daemons: Daemons) -> None:
+    striped = NodeDaemon("prefill", "sender", sender_config(
+        "prefill-rails", transport="verbs", metrics="0.0.0.0:0", staging_size="64MiB",
+        qps_per_peer=4, rails=["rxe0", "rxe1"]), daemons.state).start()
+    try:
+        # A long push (98,304 writes), cut on rail 1 once it is moving there.
+        decode = consume(daemons, ["rails-cut"], seed=19)
+        pushing = Background("prefill", kvctl_argv(
+            "push", "--socket", striped.socket, "--peer", "decode", "--req", "rails-cut",
+            "--seed", "19", "--chunk", "per-token-per-layer", "--json"), daemons.state)
+        before = _wire_counters(daemons)["wire1"]
+        deadline = time.monotonic() + HANG_GUARD
+        while _wire_counters(daemons)["wire1"] - before < 2 << 20:
+            assert time.monotonic() < deadline and pushing.is_alive(), "rail 1 never carried"
+            time.sleep(0.2)
+        _netem(daemons, "wire1", "loss 100%")
+        cut = time.monotonic()
+        code, _, err = pushing.outcome(HANG_GUARD)
+        failed_after = time.monotonic() - cut
+        assert code == 2 and "retry exceeded" in err, err
+        assert failed_after < 10, f"the push failed {failed_after:.1f} s after the cut"
+        assert not records_of_failed(decode)  # its decode engine was told, nothing delivered
+        # The next push runs on rail 0 alone, while rail 1 is still dead.
+        log_mark = len(striped.log_text())
+        moved = _verified_push_counting_wires(daemons, "rails-left", striped.socket)
+        assert moved["wire0"] >= 48 << 20 and moved["rxe1"] < 100, moved
+        assert '"rails": ["rxe0"]' in striped.log_text()[log_mark:]
+        # Rail 1 back: the idle link is rebuilt with it, its probe passes.
+        _netem(daemons, "wire1", None)
+        back_after = _wait_for_log(
+            striped, '"rails": ["rxe0", "rxe1"]', log_mark, 120)
+        moved = _verified_push_counting_wires(daemons, "rails-back", striped.socket)
+        for wire in ("wire0", "wire1"):
+            assert moved[wire] >= 20 << 20, moved  # 12 of the 24 layers each
+        print(f"rail cut: push failed {failed_after:.2f} s after it; rail 1 back in use "
+              f"{back_after:.1f} s after the loss was lifted")
+    finally:
+        _netem(daemons, "wire1", None)
+        striped.stop()
+
+
+def _verified_push_counting_wires(d: Daemons, req: str, socket: str) -> dict[str, int]:
+    """One per-layer push, checked byte for byte by its decode engine; what each
+    wire and rxe device of the prefill node sent meanwhile."""
+    decode = consume(d, [req], seed=19)
+    before = _wire_counters(d)
+    code, _, err = push(d, req, 19, "--chunk", "per-layer", socket=socket)
+    assert code == 0, err
+    assert records_of(decode)[0]["bytes_ok"]
+    return {name: value - before[name] for name, value in _wire_counters(d).items()}
+
+
+def records_of_failed(background: Background) -> list[dict[str, Any]]:
+    """A decode engine's records of a request that failed: none delivered."""
+    code, out, err = background.outcome()
+    assert code != 0, out + err
+    return [r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))
+            if r.get("bytes_ok")]
+
+
 def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
     lost = NodeDaemon("prefill", "sender", sender_config(
         f"prefill-lost-{daemons.transport}", transport=daemons.transport, metrics="0.0.0.0:0",

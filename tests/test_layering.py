@@ -20,7 +20,8 @@ PACKAGES = ("kvwired", "kvctl")
 # Bottom to top. A module may import its own layer and those its layer names.
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate",
-             "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis"),
+             "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis",
+             "kvwired.stripes", "kvwired.rails"),
     "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.config",
               "kvwired.pool", "kvwired.rdma", "kvwired.metrics", "kvwired.stream",
               "kvwired.lifecycle", "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota",

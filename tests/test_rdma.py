@@ -10,10 +10,13 @@ import pytest
 from kvwired.rdma import (
     MemlockTooLow,
     NoRdmaPath,
+    active_roce_devices,
     check_memlock,
     gid_table,
     pick_gid,
+    rail_gid,
     roce_devices,
+    source_address,
 )
 
 
@@ -96,3 +99,22 @@ def test_memlock_too_low_says_the_limit_the_need_and_the_fix(
     monkeypatch.setattr(resource, "getrlimit",
                         lambda _: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     check_memlock(256 << 20, "the 256 MiB pool")  # unlimited: fine
+
+
+def test_rails_take_each_devices_ipv4_roce_v2_entry(sysfs: Path) -> None:
+    assert rail_gid("rxe0", sysfs).index == 1  # ::ffff:198.18.78.1, not the link-local 0
+    assert rail_gid("mlx5_1", sysfs).ipv4 == "10.0.0.5"
+    _port(sysfs, "ib0", 1, {0: ("fe80:0000:0000:0000:0000:0000:0000:0001", "IB/RoCE v1", "")})
+    with pytest.raises(NoRdmaPath, match="rail ib0 has no RoCE v2 GID") as refused:
+        rail_gid("ib0", sysfs)
+    assert "mlx5_1, rxe0" in refused.value.hint
+
+
+def test_auto_rails_are_the_devices_with_an_active_port(sysfs: Path) -> None:
+    (sysfs / "rxe0" / "ports" / "1" / "state").write_text("4: ACTIVE\n")
+    (sysfs / "mlx5_1" / "ports" / "1" / "state").write_text("1: DOWN\n")
+    assert active_roce_devices(sysfs) == ["rxe0"]
+
+
+def test_the_source_address_is_what_the_routes_say() -> None:
+    assert source_address("127.0.0.1") == "127.0.0.1"

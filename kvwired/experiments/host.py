@@ -47,7 +47,11 @@ class PeerHandle(Protocol):
 
     name: str
     address: str
-    channel: DataChannel | None
+
+    @property
+    def channel(self) -> DataChannel | None:
+        """The first data channel: the one experiments (echo pings, streams) use."""
+        ...
 
     @property
     def connected(self) -> bool: ...
@@ -95,8 +99,10 @@ class SessionHandle(Protocol):
 
     name: str
     alive: bool
-    # Grants the keys for the session's echo slots (None before the handshake).
-    responder: Responder | None
+    @property
+    def responder(self) -> Responder | None:
+        """Grants the keys for the session's echo slots (None before the handshake)."""
+        ...
 
     @property
     def conn(self) -> Connection: ...

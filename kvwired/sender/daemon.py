@@ -34,6 +34,7 @@ from ..layout import RequestShape
 from ..metrics import LiveSample
 from ..pool import Pool, Slot
 from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Message, encode, message
+from ..rdma import rail_gid
 from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
 from ..units import format_size
@@ -99,6 +100,9 @@ class SenderDaemon(Daemon):
             "each push holds staging memory until delivered; raise staging_size"))
         self._driver = PushDriver(cfg, self._staging, self.metrics)
         await self.transport.start(self._staging.memory)
+        if self.transport.name == "verbs":
+            for rail in cfg.rail_devices():
+                rail_gid(rail)  # a rail that cannot carry RoCE v2 stops the daemon now
         self.serve_metrics()
         await self.serve_local(self._serve_engine)
         for link in self.links.values():
@@ -114,13 +118,13 @@ class SenderDaemon(Daemon):
 
     def live_metrics(self) -> Iterator[LiveSample]:
         for name, link in list(self.links.items()):
-            channel = link.channel
             yield ("kvwire_peer_up", "1 while the control and data connections to the "
                    "receiver are up", ["peer"], [name], float(link.connected))
             yield ("kvwire_credits", "immediates the receiver will still take (its free "
-                   "receives)", ["peer"], [name], float(link.credits if link.connected else 0))
+                   "receives, on all data channels)", ["peer"], [name],
+                   float(sum(link.credits) if link.connected else 0))
             yield ("kvwire_writes_in_flight", "writes posted and not yet placed remotely",
-                   ["peer"], [name], float(channel.pending_writes if channel else 0))
+                   ["peer"], [name], float(sum(c.pending_writes for c in link.channels)))
 
     def in_flight(self) -> int:
         return len(self.pushes)

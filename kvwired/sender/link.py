@@ -1,9 +1,10 @@
-"""``PeerLink``: the sender's control connection and data channel to one receiver.
+"""``PeerLink``: the sender's control connection and data channels to one receiver.
 
 A link holds its connection up between requests (so ``kvwire_peer_up`` says
 whether a receiver is reachable before a request needs it), matches the
 receiver's answers to the requests that asked for them, counts the
-receiver's credits, and routes aborts to whoever holds the lease named.
+receiver's credits (per data channel: ``qps_per_peer`` of them, see
+kvwired.stripes), and routes aborts to whoever holds the lease named.
 A link knows nothing of what holds a lease (a push, an experiment's echo):
 holders register themselves.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,6 +27,7 @@ from ..errors import (
     KvwireError,
     PeerLost,
     ProtocolError,
+    RailFailed,
     RequestAborted,
     TransportError,
     from_wire,
@@ -33,7 +36,8 @@ from ..layout import RequestShape
 from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
 from ..protocol import CONTROL_ANSWERS, Message, message
-from ..transport.base import DataChannel, Transport
+from ..rails import RailHealth
+from ..transport.base import DataChannel, Transport, Write
 from ..trust import Trust
 
 log = structlog.get_logger("kvwired.sender")
@@ -43,6 +47,11 @@ log = structlog.get_logger("kvwired.sender")
 Undo = Callable[[Message], Message | None]
 
 RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
+
+
+def rail_label(rail: str) -> str:
+    """A rail as metrics name it: its device, or "default" for the control path's."""
+    return rail or "default"
 
 
 class LeaseHolder(Protocol):
@@ -67,8 +76,11 @@ class PeerLink:
         self.trust = trust
         self.config, self.transport, self.metrics = config, transport, metrics
         self.conn: ControlConnection | None = None
-        self.channel: DataChannel | None = None
-        self.credits = 0
+        # Data channels, all up or none; a push stripes over every one.
+        self.channels: list[DataChannel] = []
+        self.credits: list[int] = []  # per channel: immediates it may still post
+        self.rails: list[str] = []  # per channel: its RDMA device ("": the control path's)
+        self.rail_health = RailHealth()
         self._credit_freed = asyncio.Event()
         self._lock = asyncio.Lock()
         # Requests to the receiver awaiting their answer, by request id.
@@ -89,10 +101,15 @@ class PeerLink:
             metrics.completion_errors.labels(name, status)
 
     @property
+    def channel(self) -> DataChannel | None:
+        """The first data channel: the one experiments (echo pings, streams) use."""
+        return self.channels[0] if self.channels else None
+
+    @property
     def connected(self) -> bool:
         return (self.machine.state in (LinkState.UP, LinkState.RETIRING)
                 and self.conn is not None and not self.conn.closed
-                and self.channel is not None and self.channel.alive)
+                and bool(self.channels) and all(c.alive for c in self.channels))
 
     @property
     def retired(self) -> bool:
@@ -126,6 +143,7 @@ class PeerLink:
         while self.machine.usable:
             if self.connected:
                 backoff = 1.0
+                self._take_rails_back()
             else:
                 try:
                     await self.ensure()
@@ -156,7 +174,38 @@ class PeerLink:
                 raise
             self._apply(LinkEvent.CONNECTED)
 
+    def _take_rails_back(self) -> None:
+        """An idle link missing a rail whose backoff has passed is rebuilt with it
+        (its probe decides whether it stays); a busy one waits until idle."""
+        devices = self._rail_devices()
+        due = self.rail_health.worth_retrying(devices, self.rails, time.monotonic())
+        if due and not self.holders and not self._waiting:
+            log.info("rebuilding the link to take rails back", peer=self.name, rails=due)
+            self.lost(PeerLost(f"connection to receiver {self.name} rebuilt to take rails "
+                               f"{', '.join(due)} back"))
+
+    def _rail_devices(self) -> list[str]:
+        return self.config.rail_devices() if self.transport.name == "verbs" else []
+
     async def _connect(self) -> None:
+        """Connect on the rails not left out; a rail failing its probe is left
+        out and the link built again on the others."""
+        while True:
+            devices = self._rail_devices()
+            usable = self.rail_health.usable(devices, time.monotonic())
+            try:
+                await self._connect_on(usable)
+                return
+            except RailFailed as exc:
+                self.rail_health.failed(exc.rail, time.monotonic())
+                self.metrics.rail_errors.labels(self.name, exc.rail, exc.status).inc()
+                log.warning("rail left out", peer=self.name, rail=exc.rail, error=str(exc),
+                            retry_in=round(self.rail_health.left_out(time.monotonic()).get(
+                                exc.rail, 0), 1))
+                if set(self.rail_health.usable(devices, time.monotonic())) >= set(usable):
+                    raise  # every rail was tried: none carries a channel now
+
+    async def _connect_on(self, usable_rails: list[str]) -> None:
         cfg = self.config
         host, port = parse_address(self.address, 7471)
         tls = self.trust.client if self.trust is not None else None
@@ -176,30 +225,59 @@ class PeerLink:
                 hint="is kvwired receiver running there, and is the port reachable?",
             ) from exc
         conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
+        channels: list[DataChannel] = []
         try:
             conn.send(message("hello", role="sender", name=cfg.name,
                               transports=[self.transport.name]))
             welcome = await self._expect(conn, "welcome")
             self._check_identity(conn, str(welcome["name"]))
-            initiator = self.transport.initiator(conn.local_host)
-            try:
-                conn.send(message("connect", params=await initiator.offer()))
-                ready = await self._expect(conn, "ready")
-                self.channel = await initiator.complete(ready["params"])
-                self.channel.on_failure = self._count_failure
-            except BaseException:
-                initiator.abandon()
-                raise
+            rails = [usable_rails[n % len(usable_rails)] if usable_rails else ""
+                     for n in range(cfg.qps_per_peer)]
+            for number, rail in enumerate(rails):
+                # A rail's first channel proves the rail before the link is up.
+                channels.append(await self._open_channel(
+                    conn, rail, probe=bool(rail) and rail not in rails[:number]))
         except BaseException:
+            for channel in channels:
+                channel.close()
             conn.close()
             raise
         self.conn = conn
-        self.credits = int(welcome["credits"])
+        self.channels, self.rails = channels, rails
+        self.credits = [int(welcome["credits"])] * len(channels)
         if self.ever_connected:
             self.metrics.reconnects.labels(self.name).inc()
         self.ever_connected = True
         log.info("connected to receiver", peer=self.name, address=self.address,
-                 transport=self.transport.name, credits=self.credits)
+                 transport=self.transport.name, channels=len(channels),
+                 rails=sorted(set(rails) - {""}), credits=self.credits[0])
+
+    async def _open_channel(self, conn: ControlConnection, rail: str,
+                            probe: bool = False) -> DataChannel:
+        """One data channel (on ``rail``, if any): offer, the receiver's ``ready``,
+        complete; with ``probe``, one zero-length write must complete on it (no
+        key is checked for zero bytes, and no receive is consumed)."""
+        initiator = self.transport.initiator(conn.local_host, rail)
+        try:
+            conn.send(message("connect", params=await initiator.offer()))
+            ready = await self._expect(conn, "ready")
+            channel = await initiator.complete(ready["params"])
+        except BaseException:
+            initiator.abandon()
+            raise
+        if probe:
+            try:
+                await asyncio.wait_for(channel.post([Write(0, 0, 0)]),
+                                       self.config.connect_timeout)
+            except (TransportError, TimeoutError) as exc:
+                channel.close()
+                raise RailFailed(f"rail {rail} to receiver {self.name} failed its probe: "
+                                 f"{exc or 'no completion'}", rail=rail) from exc
+            self.rail_health.proven(rail)
+        channel.on_failure = lambda error: self._count_failure(error, rail)
+        for status in ("connection_lost", "retry_exceeded", "remote_access"):
+            self.metrics.rail_errors.labels(self.name, rail_label(rail), status)
+        return channel
 
     def _check_identity(self, conn: ControlConnection, claimed: str) -> None:
         """The receiver at the address must be the one configured under this name:
@@ -221,9 +299,13 @@ class PeerLink:
         self.metrics.peers.inc()
         self._counted = True
 
-    def _count_failure(self, error: Exception) -> None:
+    def _count_failure(self, error: Exception, rail: str) -> None:
         status = error.status if isinstance(error, KvwireError) else "transport_error"
         self.metrics.completion_errors.labels(self.name, status).inc()
+        self.metrics.rail_errors.labels(self.name, rail_label(rail), status).inc()
+        if rail and status == "retry_exceeded":
+            # The peer did not acknowledge on this rail: rebuilt without it.
+            self.rail_health.failed(rail, time.monotonic())
         if isinstance(error, TransportError):
             # Named after the receiver: "outgoing data connection closed" alone
             # does not say which of several peers went away.
@@ -246,7 +328,11 @@ class PeerLink:
     def _dispatch(self, msg: Message) -> None:
         kind = msg["t"]
         if kind == "credits":
-            self._add_credits(msg["n"])
+            channel = msg.get("channel", 0)
+            if channel >= len(self.credits):
+                raise ProtocolError(f"receiver {self.name} returned credits of data channel "
+                                    f"{channel}; this link has {len(self.credits)}")
+            self._add_credits(msg["n"], channel)
         elif kind in ("delivered", "abort", "abort_ack"):
             holder = self.holders.get(msg["lease"])
             if holder is None:
@@ -335,23 +421,25 @@ class PeerLink:
                                            f"{lease['req']}").to_wire()))
 
     def credit_back(self) -> None:
-        self._add_credits(1)
+        """An echo's answer: a credit of the first channel, which pings use."""
+        self._add_credits(1, 0)
 
-    def _add_credits(self, n: int) -> None:
-        self.credits += n
+    def _add_credits(self, n: int, channel: int) -> None:
+        if channel < len(self.credits):
+            self.credits[channel] += n
         self._credit_freed.set()
 
-    async def take_credit(self) -> None:
-        # One credit per immediate in flight: the receiver never sees more
-        # immediates than it has receives posted for.
-        while self.credits <= 0:
+    async def take_credit(self, channel: int = 0) -> None:
+        # One credit per immediate in flight on a channel: the receiver never
+        # sees more immediates there than it has receives posted for.
+        while not self.connected or self.credits[channel] <= 0:
             if not self.connected:
                 raise PeerLost(f"receiver {self.name} went away")
             event = self._credit_freed
             await event.wait()
             if event is self._credit_freed:
                 self._credit_freed = asyncio.Event()
-        self.credits -= 1
+        self.credits[channel] -= 1
 
     def attach(self, lease: int, holder: LeaseHolder) -> None:
         self.holders[lease] = holder
@@ -365,11 +453,11 @@ class PeerLink:
             self._apply(LinkEvent.LOST, error)
 
     def _close_connection(self) -> None:
-        conn, channel = self.conn, self.channel
-        self.conn = self.channel = None
+        conn, channels = self.conn, self.channels
+        self.conn, self.channels, self.credits, self.rails = None, [], [], []
         if conn is not None:
             conn.close()
-        if channel is not None:
+        for channel in channels:
             channel.close()
         if self._counted:
             self.metrics.peers.dec()

@@ -1,13 +1,14 @@
 """One request on its way out: ``Push``, and the ``PushDriver`` that moves it.
 
 The driver reserves staging and a lease, then turns each committed layer
-into one post of writes (the last carrying the immediate that announces the
-layer). From the grant on, every move of a push goes through its
-``PushMachine`` (kvwired.lifecycle.push): the posting task, the link's
-messages, deadlines and the engine only *feed events*; ``Push.event``
-carries out the actions the machine returns. So a push ends once, with the
-outcome the receiver committed, and its staging goes back once, after no
-posted write and no engine view can still touch it.
+into one post of writes per data channel (each channel's last write
+carrying the immediate that announces the layer: kvwired.stripes). From
+the grant on, every move of a push goes through its ``PushMachine``
+(kvwired.lifecycle.push): the posting task, the link's messages, deadlines
+and the engine only *feed events*; ``Push.event`` carries out the actions
+the machine returns. So a push ends once, with the outcome the receiver
+committed, and its staging goes back once, after no posted write and no
+engine view can still touch it.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .. import immediate
+from .. import immediate, stripes
 from ..config import SenderConfig
 from ..errors import (
     DeadlineExceeded,
     DuplicateRequest,
     KvwireError,
     PeerLost,
+    ProtocolError,
     RequestAborted,
     TransportError,
     UsageError,
@@ -38,7 +40,7 @@ from ..pool import Pool, Slot
 from ..protocol import message
 from ..tasks import spawn
 from ..transport.base import Write
-from .link import PeerLink
+from .link import PeerLink, rail_label
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -56,7 +58,7 @@ class Push:
     staging: Slot
     lease: int
     remote_offset: int
-    key: int  # the receiver's key for this lease's bytes alone
+    keys: list[int]  # the receiver's keys for this lease's bytes alone, one per channel
     opened_at: float
     granted_at: float
     driver: PushDriver
@@ -192,12 +194,21 @@ class PushDriver:
         try:
             await link.ensure()
             lease = await link.open(req, shape, discard)
+            keys = lease["keys"]
+            if len(keys) != len(link.channels):
+                error = ProtocolError(
+                    f"receiver {link.name} granted request {req} {len(keys)} keys for "
+                    f"{len(link.channels)} data channels",
+                    hint="run the same kvwire release on both ends")
+                link.send(message("abort", req=req, lease=lease["lease"],
+                                  error=error.to_wire()))
+                raise error
         except BaseException:
             self.staging.release(staging)
             self.update_pool_metrics()
             raise
         return Push(req, link, shape, chunk_bytes, staging, lease["lease"], lease["offset"],
-                    lease["key"], opened_at, time.monotonic(), self)
+                    keys, opened_at, time.monotonic(), self)
 
     # ----------------------------------------------------------- data path
 
@@ -215,21 +226,26 @@ class PushDriver:
                 batch = cursor.commit(layer)
                 if batch is None:
                     continue
-                await link.take_credit()
-                channel = link.channel
-                if channel is None or not push.machine.posting:
-                    raise PeerLost(f"receiver {link.name} went away")
                 started = time.perf_counter()
+                imm = immediate.pack(push.lease, batch.completes_layer)
                 base_local, base_remote = push.staging.offset, push.remote_offset
-                writes = [Write(base_local + c.offset, base_remote + c.offset, c.length)
-                          for c in batch.chunks]
-                posted = channel.post(writes, immediate.pack(push.lease, batch.completes_layer),
-                                      push.key)
-                posted.add_done_callback(self._sent_callback(push, batch.completes_layer))
-                push.posts.append(posted)
+                groups = stripes.stripe(batch.chunks, len(push.keys), first=batch.completes_layer)
+                parts: list[asyncio.Future[None]] = []
+                for number, group in enumerate(groups):
+                    await link.take_credit(number)
+                    if not push.machine.posting or len(link.channels) != len(push.keys):
+                        raise PeerLost(f"receiver {link.name} went away")
+                    # A channel with no chunk of this batch still announces it.
+                    writes = ([Write(base_local + c.offset, base_remote + c.offset, c.length)
+                               for c in group] or [Write(base_local, base_remote, 0)])
+                    parts.append(link.channels[number].post(writes, imm, push.keys[number]))
+                    self.metrics.rail_bytes.labels(link.name, rail_label(link.rails[number])).inc(
+                        sum(c.length for c in group))
+                self._when_all_sent(push, parts, batch.completes_layer)
+                push.posts.extend(parts)
                 push.post_seconds += time.perf_counter() - started
-                push.writes += len(writes)
-                plain_writes.inc(len(writes) - 1)
+                push.writes += len(batch.chunks)
+                plain_writes.inc(len(batch.chunks) - 1)
                 imm_writes.inc()
                 peer_bytes.inc(sum(c.length for c in batch.chunks))
                 # Chunks of a batch are one size but for a layer's tail.
@@ -300,13 +316,19 @@ class PushDriver:
         push._timers.append(asyncio.get_running_loop().call_later(wait, expired))
 
     @staticmethod
-    def _sent_callback(push: Push, layer: int) -> Callable[[asyncio.Future[None]], None]:
-        # The engine may reuse a layer's staging once its writes are placed.
+    def _when_all_sent(push: Push, parts: list[asyncio.Future[None]], layer: int) -> None:
+        """The engine may reuse a layer's staging once every channel's writes
+        of it are placed."""
+        left = len(parts)
+
         def sent(posted: asyncio.Future[None]) -> None:
-            if (not posted.cancelled() and posted.exception() is None
+            nonlocal left
+            left -= 1
+            if (left == 0 and all(not p.cancelled() and p.exception() is None for p in parts)
                     and not push.machine.ended and push.on_sent is not None):
                 push.on_sent(layer)
-        return sent
+        for part in parts:
+            part.add_done_callback(sent)
 
     def _drain(self, push: Push) -> None:
         """POSTS_DONE once no posted write of ``push`` is outstanding."""

@@ -200,8 +200,9 @@ class Transport(ABC):
         """Take ``memory`` as this daemon's pool (checks, registration, listeners)."""
 
     @abstractmethod
-    def initiator(self, local_host: str) -> Initiator:
-        """A connection from ``local_host`` (the control connection's own address)."""
+    def initiator(self, local_host: str, rail: str = "") -> Initiator:
+        """A connection from ``local_host`` (the control connection's own address),
+        or over ``rail`` (a device name) when one is given and the transport has rails."""
 
     @abstractmethod
     def responder(

@@ -605,8 +605,8 @@ class TcpTransport(Transport):
     def forget(self, token: bytes) -> None:
         self._expected.pop(token, None)
 
-    def initiator(self, local_host: str) -> Initiator:
-        return TcpInitiator(self)
+    def initiator(self, local_host: str, rail: str = "") -> Initiator:
+        return TcpInitiator(self)  # a stream follows the routes; rails are verbs devices
 
     def responder(
         self, local_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler

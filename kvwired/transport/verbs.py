@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import ipaddress
 import os
 import random
 import socket
@@ -50,7 +51,16 @@ from pyverbs.wr import SGE, RecvWR
 
 from ..errors import RemoteAccessError, TransportError
 from ..pool import SharedMemory
-from ..rdma import GidEntry, NoRdmaPath, check_memlock, devices, pick_gid, roce_devices
+from ..rdma import (
+    GidEntry,
+    NoRdmaPath,
+    check_memlock,
+    devices,
+    pick_gid,
+    rail_gid,
+    roce_devices,
+    source_address,
+)
 from ..units import format_size
 from .base import (
     DataChannel,
@@ -537,15 +547,22 @@ class VerbsDataChannel(DataChannel):
 
 
 class VerbsInitiator(Initiator):
-    def __init__(self, owner: VerbsTransport, local_host: str) -> None:
+    def __init__(self, owner: VerbsTransport, local_host: str, rail: str = "") -> None:
         self._owner = owner
         self._local_host = local_host
+        self._rail = rail
         self._qp: _QueuePair | None = None
         self._channel: VerbsDataChannel | None = None
 
     async def offer(self) -> dict[str, Any]:
-        self._qp = self._owner.queue_pair(self._local_host, 0, self._on_completions)
-        return self._qp.endpoint.to_wire()
+        self._qp = self._owner.queue_pair(self._local_host, 0, self._on_completions,
+                                          rail=self._rail)
+        offer = self._qp.endpoint.to_wire()
+        if self._rail:
+            # The responder answers from its own end of this rail: the GID its
+            # routes reach ours from, not its control connection's.
+            offer["rail"] = self._rail
+        return offer
 
     def _on_completions(self, completions: list[Any]) -> None:
         if self._channel is not None:
@@ -617,7 +634,10 @@ class VerbsResponder(Responder):
 
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
         remote = _Endpoint.from_wire(offer)
-        qp = self._owner.queue_pair(self._local_host, self._depth, self._on_completions,
+        local_host = self._local_host
+        if offer.get("rail"):
+            local_host = _rail_source(remote)
+        qp = self._owner.queue_pair(local_host, self._depth, self._on_completions,
                                     per_lease_keys=self._owner.per_lease_keys)
         self._qp = qp
         try:
@@ -785,6 +805,22 @@ class VerbsResponder(Responder):
         self._lease_mrs.clear()
 
 
+def _rail_source(remote: _Endpoint) -> str:
+    """Our address on the rail the initiator's GID ``remote`` is on: the one our
+    routes reach it from (rails are separate subnets, one per NIC)."""
+    try:
+        address = ipaddress.IPv6Address(remote.gid)
+    except ValueError as exc:
+        raise TransportError(f"peer sent an unusable GID {remote.gid!r}") from exc
+    peer = address.ipv4_mapped or address
+    try:
+        return source_address(str(peer))
+    except OSError as exc:
+        raise NoRdmaPath(f"no route to the sender's rail address {peer}: {exc}",
+                         hint="each rail needs an address on both nodes, in a subnet "
+                              "they share") from exc
+
+
 def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
     if future.done():
         return
@@ -836,8 +872,11 @@ class VerbsTransport(Transport):
 
     def queue_pair(self, local_host: str, recv_depth: int,
                    on_completions: Callable[[list[Any]], None],
-                   per_lease_keys: bool = False) -> _QueuePair:
-        gid = pick_gid(local_host, self._device_name, self._gid_index)
+                   per_lease_keys: bool = False, rail: str = "") -> _QueuePair:
+        """A QP on ``rail``'s device when given, else on the device whose GID
+        holds ``local_host`` (the control path's, unless configured)."""
+        gid = rail_gid(rail) if rail else pick_gid(local_host, self._device_name,
+                                                   self._gid_index)
         device = self._device(gid.device)
         # Windows where the device bounds them; else a PD per QP for its lease MRs.
         windows = per_lease_keys and device.bounds_windows
@@ -845,8 +884,8 @@ class VerbsTransport(Transport):
         return _QueuePair(device, gid, recv_depth, on_completions, self._spin_seconds,
                           windows, own_pd)
 
-    def initiator(self, local_host: str) -> Initiator:
-        return VerbsInitiator(self, local_host)
+    def initiator(self, local_host: str, rail: str = "") -> Initiator:
+        return VerbsInitiator(self, local_host, rail)
 
     def responder(
         self, local_host: str, on_immediate: ImmediateHandler, on_error: ErrorHandler
