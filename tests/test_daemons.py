@@ -366,3 +366,20 @@ async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: P
     finally:
         await daemons.sender.stop()
         await daemons.receiver.stop()
+
+
+async def test_a_receiver_gone_counts_one_data_path_failure_whichever_end_is_seen_first(
+        local: LocalDaemons) -> None:
+    # The receiver ends the session: its control connection and data
+    # connection close together. The sender counts the data path as failed
+    # once, whether the loop saw the data socket's end first or the control's.
+    link = local.sender.links["decode"]
+    await until(lambda: link.connected, what="connected")
+    lost = local.sender.metrics.completion_errors.labels("decode", "connection_lost")
+    before = lost._value.get()
+    (session,) = local.receiver.sessions
+    session.conn.close()
+    await until(lambda: lost._value.get() > before, what="the failure counted")
+    await until(lambda: link.connected and len(local.receiver.sessions) == 1,
+                what="reconnected")
+    assert lost._value.get() == before + 1

@@ -322,8 +322,14 @@ class PeerLink:
     def _connection_ended(self, conn: ControlConnection, error: KvwireError) -> None:
         if self.conn is conn:
             log.warning("receiver connection lost", peer=self.name, error=str(error))
-            self.lost(error if isinstance(error, PeerLost) else PeerLost(
-                f"receiver {self.name}: {error}"))
+            ending = error if isinstance(error, PeerLost) else PeerLost(
+                f"receiver {self.name}: {error}")
+            # The data channels go with it, and count as failed (connection_lost)
+            # whichever socket's end the loop happened to see first: a receiver
+            # that crashed is a data-path failure either way.
+            for channel in self.channels:
+                channel.fail(ending)
+            self.lost(ending)
 
     def _dispatch(self, msg: Message) -> None:
         kind = msg["t"]
