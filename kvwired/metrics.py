@@ -138,6 +138,10 @@ class Metrics:
             "kvwire_rail_bytes_total", "payload bytes posted per rail (sender)",
             ["peer", "rail"], registry=r,
         )
+        self.rail_writes = Counter(
+            "kvwire_rail_writes_total", "writes posted per rail, immediates included (sender)",
+            ["peer", "rail"], registry=r,
+        )
         self.rail_errors = Counter(
             "kvwire_rail_errors_total", "data channels failed per rail, by status (sender)",
             ["peer", "rail", "status"], registry=r,
@@ -210,7 +214,8 @@ class Metrics:
         configuration), so a fleet that changes does not grow the page."""
         for metric in (self.bytes, self.writes, self.post_seconds, self.wait_seconds,
                        self.completion_errors, self.reconnects, self.requests,
-                       self.request_seconds, self.rail_bytes, self.rail_errors):
+                       self.request_seconds, self.rail_bytes, self.rail_writes,
+                       self.rail_errors):
             for labels in list(metric._metrics):  # prometheus_client keeps no public list
                 if labels and labels[0] == peer:
                     metric.remove(*labels)

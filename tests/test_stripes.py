@@ -157,6 +157,13 @@ async def test_a_push_striped_over_four_streams_arrives_byte_exact(
     assert len(link.channels) == 4
     # Every channel carried writes (and its immediates): the push was striped.
     assert all(responder.writes_received > 0 for responder in session.responders)
+    # No rails configured: every channel is on the "default" rail, and its
+    # counters add up to the push (a zero-length announcement is a write).
+    metrics = striped.sender.metrics
+    assert metrics.rail_bytes.labels("decode", "default")._value.get() == CACHE.total_bytes
+    writes = metrics.rail_writes.labels("decode", "default")._value.get()
+    chunks = -(-CACHE.total_bytes // chunk)
+    assert chunks <= writes <= chunks + 4 * CACHE.layers
     # Every channel's credits came back.
     await until(lambda: link.credits == [striped.receiver.config.credits] * 4,
                 what="every channel's credits back")

@@ -239,8 +239,10 @@ class PushDriver:
                     writes = ([Write(base_local + c.offset, base_remote + c.offset, c.length)
                                for c in group] or [Write(base_local, base_remote, 0)])
                     parts.append(link.channels[number].post(writes, imm, push.keys[number]))
-                    self.metrics.rail_bytes.labels(link.name, rail_label(link.rails[number])).inc(
+                    rail = rail_label(link.rails[number])
+                    self.metrics.rail_bytes.labels(link.name, rail).inc(
                         sum(c.length for c in group))
+                    self.metrics.rail_writes.labels(link.name, rail).inc(len(writes))
                 self._when_all_sent(push, parts, batch.completes_layer)
                 push.posts.extend(parts)
                 push.post_seconds += time.perf_counter() - started
