@@ -42,7 +42,8 @@ def main(rounds: int, chunks: list[str]) -> dict[str, Any]:
     if state.rails < 2:
         raise SystemExit("this compares rails: `kvctl lab down; kvctl lab up --rails 2`")
     receiver = NodeDaemon("decode", "receiver", receiver_config(
-        transport="verbs", pool_size="256MiB"), state).start()
+        # Nobody consumes these: each is reclaimed half a second after delivery.
+        transport="verbs", pool_size="256MiB", unclaimed_ttl=0.5), state).start()
     senders = {}
     try:
         for number, (name, extra) in enumerate(SETUPS.items()):
