@@ -43,6 +43,11 @@ class RailHealth:
         return [rail for rail in rails
                 if rail not in in_use and rail in self._left_out and self._until(rail) <= now]
 
+    @property
+    def left_out_any(self) -> bool:
+        """Whether any rail failed and has not been proven since."""
+        return bool(self._left_out)
+
     def left_out(self, now: float) -> dict[str, float]:
         """Rails left out now, with the seconds until each is tried again."""
         return {rail: until - now for rail, (until, _) in self._left_out.items() if until > now}

@@ -84,7 +84,6 @@ class Lease:
     # Which layers have landed, from the immediates of each data channel
     # the lease was granted on (kvwired.stripes).
     fence: stripes.LandingFence
-    landed: int = 0
     # Each landed layer's digest, hashed as its immediate arrives (kvwired.checksum).
     digests: list[asyncio.Future[int]] = field(default_factory=list)
     checksum: int = 0
@@ -102,6 +101,11 @@ class Lease:
     @property
     def state(self) -> LeaseState:
         return self.machine.state
+
+    @property
+    def landed(self) -> int:
+        """Layers landed on every channel, in order: the engines were told of these."""
+        return self.fence.landed
 
 
 @dataclass(eq=False)
@@ -606,7 +610,6 @@ class ReceiverDaemon(Daemon):
                 lease.digests.append(last)
         self.metrics.bytes.labels(session.label, "received").inc(
             len(landed) * lease.shape.layer_bytes)
-        lease.landed = lease.fence.landed
         if lease.landed == lease.shape.layers:
             self._lease_event(lease, LeaseEvent.ALL_LANDED)
             spawn(self._complete(lease), f"complete-{lease.req}")

@@ -12,7 +12,9 @@ RAILS = ["rxe0", "rxe1", "rxe2"]
 
 def test_a_failed_rail_is_left_out_then_due_again() -> None:
     health = RailHealth()
+    assert not health.left_out_any
     health.failed("rxe1", now=100.0)
+    assert health.left_out_any
     assert health.usable(RAILS, 100.0) == ["rxe0", "rxe2"]
     assert health.left_out(100.0) == {"rxe1": FIRST_BACKOFF}
     assert health.worth_retrying(RAILS, ["rxe0", "rxe2"], 100.0 + FIRST_BACKOFF - 0.1) == []
@@ -21,6 +23,7 @@ def test_a_failed_rail_is_left_out_then_due_again() -> None:
     # In use again (its probe passed): nothing is due any more.
     health.proven("rxe1")
     assert health.worth_retrying(RAILS, RAILS, 1000.0) == []
+    assert not health.left_out_any
 
 
 def test_a_rail_that_keeps_failing_waits_longer_up_to_a_minute() -> None:

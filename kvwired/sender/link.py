@@ -177,6 +177,8 @@ class PeerLink:
     def _take_rails_back(self) -> None:
         """An idle link missing a rail whose backoff has passed is rebuilt with it
         (its probe decides whether it stays); a busy one waits until idle."""
+        if not self.rail_health.left_out_any:
+            return  # the common case, every second: no sysfs read for rails = auto
         devices = self._rail_devices()
         due = self.rail_health.worth_retrying(devices, self.rails, time.monotonic())
         if due and not self.holders and not self._waiting:
