@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvctl.keys import local_cluster
 from kvctl.lab.machine import LabState
@@ -21,6 +22,12 @@ from kvwired.sender import SenderDaemon
 from kvwired.trust import Trust
 
 from .leftovers import MARK, reap_leftovers
+
+# Property tests judge inputs, not speed: hypothesis's default 200 ms deadline
+# per example failed a validator's test on a 2-core host busy with a demo.
+settings.register_profile("kvwire", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvwire")
 
 
 def pytest_configure(config: pytest.Config) -> None:
