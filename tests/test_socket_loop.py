@@ -81,6 +81,10 @@ async def test_chunk_sweep_puts_the_loop_beside_each_delivery(roomy: LocalDaemon
     assert run.error is None, run.error
     (row,) = run.rows
     assert len(row["socket_rounds"]) == 3 and row["socket_seconds"] > 0
+    # A delivery per loop round, and the row's delivery is their median.
+    assert len(row["deliver_rounds"]) == 3
+    assert row["deliver_seconds"] == sorted(row["deliver_rounds"])[1]
+    assert row["socket_seconds"] == sorted(row["socket_rounds"])[1]
     (ratio,) = chunk_sweep.ratios(run.rows)
     assert ratio["delivery_time_ratio"] == pytest.approx(
         row["deliver_seconds"] / row["socket_seconds"])
