@@ -1,8 +1,8 @@
 """``kvctl run overlap``: an emulated prefill engine on the real client API.
 
-Layer compute is emulated by a worker thread sleeping Tc (a GPU kernel
-keeps the host CPU free, and so does a sleeping thread), while the event
-loop keeps talking to the sender daemon. Per layer:
+Layer compute is emulated by an event-loop timer of Tc (a GPU kernel keeps
+the host CPU free, and so does a timer), while the event loop keeps talking
+to the sender daemon. Per layer:
 
 - sequential: compute layer n, commit it, wait until it is placed remotely;
 - overlapped, double-buffered: before computing layer n, wait only until
@@ -103,22 +103,45 @@ class OverlapRun:
                 "rows": self.rows}
 
 
-async def _compute(seconds: float) -> None:
+@dataclass
+class _Timed:
+    """One push as the emulated engine lived it."""
+
+    seconds: float  # first compute to last layer placed
+    # Waiting for a free buffer (layer n - 2 placed) before computing layer n:
+    # at the ridge every late transfer shows here, as the link's share of the loss.
+    stalled: float = 0.0
+    # How much longer than Tc the compute took, summed over layers: the
+    # engine's share (a thread's wake-up on a busy CPU).
+    overshoot: float = 0.0
+
+
+async def _compute(seconds: float, timed: _Timed) -> None:
+    # A GPU's layer ends at a point on the clock and the engine hears of it
+    # with one wake-up: an event-loop timer is that. A worker thread's sleep
+    # added two hand-offs to the emulation itself: on the lab's one-CPU
+    # nodes, beside an rxe that keeps the CPU busy, a layer overran Tc by
+    # 5.0 ms (median) that way against 2.4 ms with the timer.
     if seconds > 0:
-        await asyncio.to_thread(time.sleep, seconds)
+        started = time.perf_counter()
+        await asyncio.sleep(seconds)
+        timed.overshoot += max(0.0, time.perf_counter() - started - seconds)
 
 
 async def _push_once(client: SenderClient, params: OverlapParams, overlapped: bool,
-                     compute_s: float, transfer_samples: list[float] | None = None) -> float:
+                     compute_s: float, transfer_samples: list[float] | None = None) -> _Timed:
     req = f"overlap-{uuid.uuid4().hex[:12]}"
     push: OutgoingPush = await client.open(req, params.peer, params.shape, chunk=params.chunk,
                                            discard=True)
+    timed = _Timed(0.0)
     try:
         started = time.perf_counter()
         for n in range(params.layers):
             if overlapped and n >= 2:
+                waited = time.perf_counter()
                 await push.wait_sent(n - 2)  # the buffer layer n reuses is free
-            await _compute(compute_s)
+                timed.stalled += time.perf_counter() - waited
+            await _compute(compute_s, timed)
             committed = time.perf_counter()
             push.commit(n)
             if not overlapped:
@@ -126,9 +149,9 @@ async def _push_once(client: SenderClient, params: OverlapParams, overlapped: bo
                 if transfer_samples is not None:
                     transfer_samples.append(time.perf_counter() - committed)
         await push.wait_sent(params.layers - 1)
-        elapsed = time.perf_counter() - started
+        timed.seconds = time.perf_counter() - started
         await push.finish()
-        return elapsed
+        return timed
     except BaseException:
         push.abort()
         raise
@@ -161,15 +184,16 @@ async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
     for ratio in params.ratios:
         tc = ratio * tx
         phase = f"Tc/Tx = {ratio:g}"
-        timings: dict[bool, list[float]] = {False: [], True: []}
+        timings: dict[bool, list[_Timed]] = {False: [], True: []}
         for n in range(params.repeats):
             for overlapped in (False, True):
                 timings[overlapped].append(await _push_once(client, params, overlapped, tc))
             progress.update(phase, n + 1, params.repeats)
-        sequential = statistics.median(timings[False])
-        overlapped_s = statistics.median(timings[True])
+        sequential = statistics.median(t.seconds for t in timings[False])
+        overlapped_s = statistics.median(t.seconds for t in timings[True])
         speedup = sequential / overlapped_s
         ideal = analysis.ideal_speedup(tc, tx, params.layers)
+        every = timings[False] + timings[True]
         run.rows.append({
             "ratio": ratio, "compute_per_layer_s": tc, "transfer_per_layer_s": tx,
             "sequential_s": sequential, "overlapped_s": overlapped_s,
@@ -178,7 +202,11 @@ async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
             "speedup": speedup, "ideal_speedup": ideal,
             "efficiency": analysis.efficiency(speedup, ideal),
             "side": analysis.bound_side(tc, tx),
-            "sequential_samples_s": timings[False], "overlapped_samples_s": timings[True]})
+            # Where an overlapped push lost time against the ideal, per push.
+            "overlapped_stall_s": statistics.median(t.stalled for t in timings[True]),
+            "compute_overshoot_s": statistics.median(t.overshoot for t in every),
+            "sequential_samples_s": [t.seconds for t in timings[False]],
+            "overlapped_samples_s": [t.seconds for t in timings[True]]})
 
 
 def render(run: OverlapRun) -> str:
@@ -190,12 +218,16 @@ def render(run: OverlapRun) -> str:
                      f"({analysis.gbps(p.layer_bytes, run.transfer_s):.3f} Gb/s)")
     lines.append(table.render(
         ["Tc/Tx", "Tc ms", "sequential ms", "overlapped ms", "seq Gb/s", "ovl Gb/s", "speedup",
-         "ideal", "efficiency", "side"],
+         "ideal", "efficiency", "side", "stall ms", "overshoot ms"],
         [[f"{r['ratio']:g}", f"{r['compute_per_layer_s'] * 1e3:.2f}",
           f"{r['sequential_s'] * 1e3:.1f}", f"{r['overlapped_s'] * 1e3:.1f}",
           f"{r['sequential_gbps']:.3f}", f"{r['overlapped_gbps']:.3f}", f"{r['speedup']:.2f}",
-          f"{r['ideal_speedup']:.2f}", f"{r['efficiency']:.0%}", r["side"]]
+          f"{r['ideal_speedup']:.2f}", f"{r['efficiency']:.0%}", r["side"],
+          f"{r['overlapped_stall_s'] * 1e3:.0f}", f"{r['compute_overshoot_s'] * 1e3:.0f}"]
          for r in run.rows]))
+    if run.rows:
+        lines.append("stall: an overlapped push's wait for a free buffer (the link ran late); "
+                     "overshoot: compute beyond Tc (the engine ran late); per push, medians")
     summary = run.summary()
     if "peak_speedup" in summary:
         lines.append(f"peak speedup {summary['peak_speedup']:.2f} at Tc/Tx = "
