@@ -332,6 +332,13 @@ def test_a_rail_dropped_mid_push_fails_it_fast_the_other_carries_on_and_it_comes
         moved = _verified_push_counting_wires(daemons, "rails-left", striped.socket)
         assert moved["wire0"] >= 48 << 20 and moved["rxe1"] < 100, moved
         assert '"rails": ["rxe0"]' in striped.log_text()[log_mark:]
+        # Still dead when its backoff runs out: the idle link tries it again,
+        # connecting on it fails (the queue pair's INIT->RTR or the probe),
+        # and it is left out for longer while rail 0 carries on.
+        retry_mark = len(striped.log_text())
+        _wait_for_log(striped, '"rail left out"', retry_mark, 120)
+        moved = _verified_push_counting_wires(daemons, "rails-still-left", striped.socket)
+        assert moved["wire0"] >= 48 << 20 and moved["rxe1"] < 100, moved
         # Rail 1 back: the idle link is rebuilt with it, its probe passes.
         _netem(daemons, "wire1", None)
         back_after = _wait_for_log(
