@@ -112,7 +112,7 @@ class _Timed:
     # at the ridge every late transfer shows here, as the link's share of the loss.
     stalled: float = 0.0
     # How much longer than Tc the compute took, summed over layers: the
-    # engine's share (a thread's wake-up on a busy CPU).
+    # engine's share (its timer's wake-up on a busy CPU).
     overshoot: float = 0.0
 
 

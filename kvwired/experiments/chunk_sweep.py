@@ -217,10 +217,10 @@ class ChunkSweep:
         spec = socket_loop.LoopSpec(size, max(1, total // size), rounds=1)
         delivered: list[dict[str, Any]] = []
         looped: list[float] = []
+        phase = f"socket loop {format_size(size)}"
         for n in range(SOCKET_LOOP_ROUNDS):
             if self.params.deliver:
                 delivered.append(await self._deliver(link, size, progress))
-            phase = f"socket loop {format_size(size)}"
             progress(phase, n, SOCKET_LOOP_ROUNDS, force=True)
             looped += await baseline.measure_socket_loop(
                 link, f"{self.req}-socket-{size}-{n}", spec)
