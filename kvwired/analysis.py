@@ -9,12 +9,17 @@
   the other costs Tc + Tx per layer, double-buffered max(Tc, Tx); the ideal
   speedup is (Tc + Tx) / max(Tc, Tx), at most 2, reached at the ridge point
   Tc = Tx. Left of it the deployment is network-bound (faster kernels are
-  wasted), right of it compute-bound (a faster network is wasted).
+  wasted), right of it compute-bound (a faster network is wasted). A link
+  whose layers do not all take the same Tx lowers that ideal: each late
+  layer stalls the compute waiting for its buffer, each early one idles the
+  link, and the jitter ceiling says by how much on the measured link.
 """
 
 from __future__ import annotations
 
 import math
+import random
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,6 +111,54 @@ def ideal_speedup(compute_s: float, transfer_s: float, layers: int) -> float:
     if longest <= 0 or layers < 1:
         return 1.0
     return layers * (compute_s + transfer_s) / (layers * longest + shortest)
+
+
+def overlapped_seconds(compute_s: float, transfers: Sequence[float], buffers: int = 2) -> float:
+    """An overlapped push on an engine that loses no time of its own.
+
+    Layer n's compute starts once layer n - 1's is done and layer
+    n - ``buffers`` is placed (its buffer is the one layer n reuses); the
+    link carries one layer at a time, in order, each for its own
+    ``transfers[n]``. The push ends when its last layer is placed. One buffer
+    is the sequential schedule; with constant transfers and two or more it is
+    ``ideal_speedup``'s N max(Tc, Tx) + min(Tc, Tx).
+    """
+    if buffers < 1:
+        raise ValueError(f"overlap needs at least one buffer, got {buffers}")
+    placed: list[float] = []
+    computed = link_free = 0.0
+    for n, transfer in enumerate(transfers):
+        start = computed if n < buffers else max(computed, placed[n - buffers])
+        computed = start + compute_s
+        link_free = max(link_free, computed) + transfer
+        placed.append(link_free)
+    return placed[-1] if placed else 0.0
+
+
+def jitter_ceiling(compute_s: float, transfer_samples: Sequence[float], layers: int,
+                   buffers: int = 2, draws: int = 1000, seed: int = 0) -> float:
+    """The best speedup ``buffers``-deep overlap can reach on a jittery link.
+
+    ``ideal_speedup`` assumes every layer takes the same Tx. On a link whose
+    layers take anything like ``transfer_samples``, a layer slower than Tc
+    delays the compute waiting for its buffer, and a faster one leaves the
+    link idle until the next layer is computed; neither is made up later.
+    This is the median, over ``draws`` pushes of ``layers`` layers whose
+    transfer times are drawn from the samples (with replacement, a fixed
+    ``seed``, so a run's figure can be checked), of sequential over
+    ``overlapped_seconds``: what a perfect engine would have measured.
+    """
+    if not transfer_samples or layers < 1:
+        raise ValueError("a ceiling needs transfer samples and at least one layer")
+    rng = random.Random(seed)
+    speedups = []
+    for _ in range(draws):
+        transfers = rng.choices(transfer_samples, k=layers)
+        overlapped = overlapped_seconds(compute_s, transfers, buffers)
+        if overlapped <= 0:
+            return 1.0
+        speedups.append((layers * compute_s + sum(transfers)) / overlapped)
+    return statistics.median(speedups)
 
 
 def efficiency(speedup: float, ideal: float) -> float:

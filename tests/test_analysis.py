@@ -103,3 +103,51 @@ def test_ratio() -> None:
     assert analysis.ratio(0.219, 0.172) == pytest.approx(1.2733, rel=1e-3)
     assert analysis.ratio(None, 1.0) is None
     assert analysis.ratio(1.0, 0.0) is None
+
+
+_durations = st.floats(0, 1e3, allow_nan=False, allow_infinity=False)
+
+
+@given(_durations, _durations, st.integers(1, 64), st.integers(2, 8))
+def test_a_steady_link_overlaps_to_the_ideal(tc: float, tx: float, layers: int,
+                                             buffers: int) -> None:
+    overlapped = analysis.overlapped_seconds(tc, [tx] * layers, buffers)
+    assert overlapped == pytest.approx(layers * max(tc, tx) + min(tc, tx), rel=1e-9, abs=1e-9)
+    if tc + tx > 0:
+        assert analysis.jitter_ceiling(tc, [tx], layers, buffers, draws=3) == pytest.approx(
+            analysis.ideal_speedup(tc, tx, layers), rel=1e-9)
+
+
+@given(_durations, st.lists(_durations, min_size=1, max_size=48), st.integers(1, 6))
+def test_the_overlapped_schedule_obeys_its_bounds(tc: float, transfers: list[float],
+                                                  buffers: int) -> None:
+    overlapped = analysis.overlapped_seconds(tc, transfers, buffers)
+    sequential = len(transfers) * tc + sum(transfers)
+    slack = 1e-9 * max(1.0, sequential)
+    # Never slower than one layer at a time, never faster than either side alone.
+    assert overlapped <= sequential + slack
+    assert overlapped >= tc + sum(transfers) - slack
+    assert overlapped >= len(transfers) * tc + transfers[-1] - slack
+    # One more buffer never slows it; one buffer is the sequential schedule.
+    assert analysis.overlapped_seconds(tc, transfers, buffers + 1) <= overlapped + slack
+    assert analysis.overlapped_seconds(tc, transfers, 1) == pytest.approx(sequential, abs=slack)
+
+
+def test_a_jittery_link_lowers_the_ceiling_and_more_buffers_raise_it() -> None:
+    # Tx of 1 on average, but each layer takes 0.7 or 1.3: at the ridge a
+    # late layer stalls the compute and an early one idles the link.
+    samples = [0.7, 1.3]
+    double = analysis.jitter_ceiling(1.0, samples, 24, buffers=2)
+    triple = analysis.jitter_ceiling(1.0, samples, 24, buffers=3)
+    assert double < triple < analysis.ideal_speedup(1.0, 1.0, 24)
+    assert double == analysis.jitter_ceiling(1.0, samples, 24, buffers=2)  # seeded
+    # Far from the ridge, jitter has little left to cost.
+    assert analysis.jitter_ceiling(4.0, samples, 24) == pytest.approx(
+        analysis.ideal_speedup(4.0, 1.0, 24), rel=0.01)
+
+
+def test_a_ceiling_needs_samples_and_a_schedule_needs_a_buffer() -> None:
+    with pytest.raises(ValueError, match="transfer samples"):
+        analysis.jitter_ceiling(1.0, [], 24)
+    with pytest.raises(ValueError, match="at least one buffer"):
+        analysis.overlapped_seconds(1.0, [1.0], 0)

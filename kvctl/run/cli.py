@@ -51,6 +51,9 @@ def add_parsers(commands: Any) -> None:
     overlap.add_argument("--layer-compute", type=_seconds,
                          help="your prefill's compute time per layer (e.g. 0.6ms), to place "
                          "the deployment against the ridge")
+    overlap.add_argument("--buffers", type=int, default=2,
+                         help="layer buffers the engine computes into (default 2: "
+                         "double-buffered)")
 
 
     faults = experiments.add_parser(
@@ -146,7 +149,7 @@ async def _overlap(args: argparse.Namespace) -> int:
     params = overlap.OverlapParams(
         peer=peer, ratios=tuple(args.ratios or overlap.DEFAULT_RATIOS), layers=args.layers,
         layer_bytes=args.layer_bytes, repeats=args.repeats, chunk=args.chunk,
-        layer_compute=args.layer_compute)
+        layer_compute=args.layer_compute, buffers=args.buffers)
     progress = PhaseProgress(enabled=not args.quiet)
     run = await overlap.run_overlap(args.socket, params, progress)
     return _finish(args, run.document(), overlap.render(run),

@@ -7,12 +7,19 @@ to the sender daemon. Per layer:
 - sequential: compute layer n, commit it, wait until it is placed remotely;
 - overlapped, double-buffered: before computing layer n, wait only until
   layer n - 2 is placed (its buffer is the one layer n reuses), so layer n
-  is computed while layer n - 1 is on the wire.
+  is computed while layer n - 1 is on the wire. ``--buffers 3`` or more
+  lets the compute run further ahead of a link that is late now and then.
 
 A push is timed from its first compute to the moment its last layer is
 placed at the receiver, which is when decode could start. T_x, the
 transfer time of one layer, is measured first (sequential, no compute);
-ratios Tc/Tx then set the compute time of each run.
+ratios Tc/Tx then set the compute time of each run. A link's T_x drifts
+(the lab's by half within one run), so each pair of pushes (sequential,
+then overlapped, same Tc) takes its Tc from the sequential push before it,
+and each ratio's ideal is worked out on the T_x its own sequential pushes
+saw. Those samples also give it a jitter ceiling: what a perfect engine
+would reach on a link whose layers do not all take T_x
+(``analysis.jitter_ceiling``).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ class OverlapParams:
     repeats: int = 3
     chunk: str | int | None = None
     layer_compute: float | None = None  # the deployment's own Tc per layer, seconds
+    buffers: int = 2  # layer buffers the engine computes into (2: double-buffered)
 
     def __post_init__(self) -> None:
         if self.layers < 3:
@@ -56,6 +64,9 @@ class OverlapParams:
             raise UsageError("--layer-bytes and --repeats must be positive")
         if any(r < 0 for r in self.ratios) or not self.ratios:
             raise UsageError("--ratios must be non-negative numbers, e.g. 0,0.5,1,2")
+        if not 2 <= self.buffers < self.layers:
+            raise UsageError(f"--buffers must be 2 (double-buffered) up to {self.layers - 1} "
+                             f"(fewer than --layers), got {self.buffers}")
 
     @property
     def shape(self) -> RequestShape:
@@ -83,7 +94,8 @@ class OverlapRun:
         if self.rows:
             best = max(self.rows, key=lambda r: r["speedup"])
             out.update(peak_speedup=best["speedup"], peak_speedup_ratio=best["ratio"],
-                       peak_efficiency=best["efficiency"])
+                       peak_efficiency=best["efficiency"],
+                       peak_ceiling_speedup=best["ceiling_speedup"])
         if tx and self.params.layer_compute is not None:
             side = analysis.bound_side(self.params.layer_compute, tx)
             out.update(deployment_compute_per_layer_s=self.params.layer_compute,
@@ -96,7 +108,8 @@ class OverlapRun:
         return {"experiment": "overlap", "started": self.started,
                 "params": {"peer": p.peer, "ratios": list(p.ratios), "layers": p.layers,
                            "layer_bytes": p.layer_bytes, "repeats": p.repeats,
-                           "chunk": p.chunk, "layer_compute": p.layer_compute},
+                           "chunk": p.chunk, "layer_compute": p.layer_compute,
+                           "buffers": p.buffers},
                 "complete": self.complete,
                 "error": None if self.error is None else self.error.to_wire(),
                 "summary": self.summary(), "transfer_samples_s": self.transfer_samples,
@@ -108,7 +121,7 @@ class _Timed:
     """One push as the emulated engine lived it."""
 
     seconds: float  # first compute to last layer placed
-    # Waiting for a free buffer (layer n - 2 placed) before computing layer n:
+    # Waiting for a free buffer (layer n - buffers placed) before computing n:
     # at the ridge every late transfer shows here, as the link's share of the loss.
     stalled: float = 0.0
     # How much longer than Tc the compute took, summed over layers: the
@@ -137,9 +150,9 @@ async def _push_once(client: SenderClient, params: OverlapParams, overlapped: bo
     try:
         started = time.perf_counter()
         for n in range(params.layers):
-            if overlapped and n >= 2:
+            if overlapped and n >= params.buffers:
                 waited = time.perf_counter()
-                await push.wait_sent(n - 2)  # the buffer layer n reuses is free
+                await push.wait_sent(n - params.buffers)  # the buffer layer n reuses is free
                 timed.stalled += time.perf_counter() - waited
             await _compute(compute_s, timed)
             committed = time.perf_counter()
@@ -180,59 +193,89 @@ async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
         progress.update("T_x per layer", n + 1, params.repeats)
     tx = statistics.median(run.transfer_samples)
     run.transfer_s = tx
-    total_bytes = params.shape.total_bytes
     for ratio in params.ratios:
-        tc = ratio * tx
         phase = f"Tc/Tx = {ratio:g}"
-        timings: dict[bool, list[_Timed]] = {False: [], True: []}
+        pairs: list[tuple[float, _Timed, _Timed]] = []
+        during: list[float] = []  # T_x per layer, seen by this ratio's sequential pushes
         for n in range(params.repeats):
-            for overlapped in (False, True):
-                timings[overlapped].append(await _push_once(client, params, overlapped, tc))
+            # A link's T_x drifts over minutes (the lab's by half within one
+            # run): Tc follows the latest sequential push's, so a ratio of 1
+            # stays on the ridge. Each pair shares its Tc.
+            tc = ratio * tx
+            seen: list[float] = []
+            sequential = await _push_once(client, params, False, tc, seen)
+            overlapped = await _push_once(client, params, True, tc)
+            pairs.append((tc, sequential, overlapped))
+            during += seen
+            tx = statistics.median(seen)
             progress.update(phase, n + 1, params.repeats)
-        sequential = statistics.median(t.seconds for t in timings[False])
-        overlapped_s = statistics.median(t.seconds for t in timings[True])
-        speedup = sequential / overlapped_s
-        ideal = analysis.ideal_speedup(tc, tx, params.layers)
-        every = timings[False] + timings[True]
-        run.rows.append({
-            "ratio": ratio, "compute_per_layer_s": tc, "transfer_per_layer_s": tx,
-            "sequential_s": sequential, "overlapped_s": overlapped_s,
-            "sequential_gbps": analysis.gbps(total_bytes, sequential),
-            "overlapped_gbps": analysis.gbps(total_bytes, overlapped_s),
-            "speedup": speedup, "ideal_speedup": ideal,
-            "efficiency": analysis.efficiency(speedup, ideal),
-            "side": analysis.bound_side(tc, tx),
-            # Where an overlapped push lost time against the ideal, per push.
-            "overlapped_stall_s": statistics.median(t.stalled for t in timings[True]),
-            "compute_overshoot_s": statistics.median(t.overshoot for t in every),
-            "sequential_samples_s": [t.seconds for t in timings[False]],
-            "overlapped_samples_s": [t.seconds for t in timings[True]]})
+        run.rows.append(_row(params, ratio, pairs, during))
+
+
+def _row(params: OverlapParams, ratio: float, pairs: list[tuple[float, _Timed, _Timed]],
+         during: list[float]) -> dict[str, Any]:
+    """One ratio's figures; ideal and ceiling on the T_x its own pushes saw."""
+    tc = statistics.median(pair[0] for pair in pairs)
+    tx = statistics.median(during)
+    sequential = [pair[1] for pair in pairs]
+    overlapped = [pair[2] for pair in pairs]
+    sequential_s = statistics.median(t.seconds for t in sequential)
+    overlapped_s = statistics.median(t.seconds for t in overlapped)
+    # Per pair, then the median: the two pushes of a pair ran on the same
+    # link minutes apart from the other pairs.
+    speedup = statistics.median(s.seconds / o.seconds for _, s, o in pairs)
+    ideal = analysis.ideal_speedup(tc, tx, params.layers)
+    total_bytes = params.shape.total_bytes
+    return {
+        "ratio": ratio, "compute_per_layer_s": tc, "transfer_per_layer_s": tx,
+        "ratio_as_run": tc / tx if tx > 0 else 0.0,
+        "sequential_s": sequential_s, "overlapped_s": overlapped_s,
+        "sequential_gbps": analysis.gbps(total_bytes, sequential_s),
+        "overlapped_gbps": analysis.gbps(total_bytes, overlapped_s),
+        "speedup": speedup, "ideal_speedup": ideal,
+        "efficiency": analysis.efficiency(speedup, ideal),
+        "ceiling_speedup": analysis.jitter_ceiling(tc, during, params.layers, params.buffers),
+        "side": analysis.bound_side(tc, tx),
+        # Where an overlapped push lost time against the ideal, per push.
+        "overlapped_stall_s": statistics.median(t.stalled for t in overlapped),
+        "compute_overshoot_s": statistics.median(t.overshoot for t in sequential + overlapped),
+        "compute_samples_s": [pair[0] for pair in pairs],
+        "transfer_samples_s": during,
+        "sequential_samples_s": [t.seconds for t in sequential],
+        "overlapped_samples_s": [t.seconds for t in overlapped]}
 
 
 def render(run: OverlapRun) -> str:
     p = run.params
     lines = [f"overlap: {p.layers} layers x {format_size(p.layer_bytes)} "
-             f"({format_size(p.shape.total_bytes)}), compute emulated, median of {p.repeats}"]
+             f"({format_size(p.shape.total_bytes)}), {p.buffers} buffers, compute emulated, "
+             f"median of {p.repeats}"]
     if run.transfer_s is not None:
         lines.append(f"T_x per layer: {run.transfer_s * 1e3:.2f} ms "
-                     f"({analysis.gbps(p.layer_bytes, run.transfer_s):.3f} Gb/s)")
+                     f"({analysis.gbps(p.layer_bytes, run.transfer_s):.3f} Gb/s) at the start; "
+                     "Tc follows it as it drifts, Tx ms is what each ratio's pushes saw")
     lines.append(table.render(
-        ["Tc/Tx", "Tc ms", "sequential ms", "overlapped ms", "seq Gb/s", "ovl Gb/s", "speedup",
-         "ideal", "efficiency", "side", "stall ms", "overshoot ms"],
+        ["Tc/Tx", "Tc ms", "Tx ms", "sequential ms", "overlapped ms", "seq Gb/s", "ovl Gb/s",
+         "speedup", "ideal", "ceiling", "efficiency", "side", "stall ms", "overshoot ms"],
         [[f"{r['ratio']:g}", f"{r['compute_per_layer_s'] * 1e3:.2f}",
+          f"{r['transfer_per_layer_s'] * 1e3:.2f}",
           f"{r['sequential_s'] * 1e3:.1f}", f"{r['overlapped_s'] * 1e3:.1f}",
           f"{r['sequential_gbps']:.3f}", f"{r['overlapped_gbps']:.3f}", f"{r['speedup']:.2f}",
-          f"{r['ideal_speedup']:.2f}", f"{r['efficiency']:.0%}", r["side"],
+          f"{r['ideal_speedup']:.2f}", f"{r['ceiling_speedup']:.2f}", f"{r['efficiency']:.0%}",
+          r["side"],
           f"{r['overlapped_stall_s'] * 1e3:.0f}", f"{r['compute_overshoot_s'] * 1e3:.0f}"]
          for r in run.rows]))
     if run.rows:
-        lines.append("stall: an overlapped push's wait for a free buffer (the link ran late); "
+        lines.append("ideal and ceiling are worked out on Tx ms; "
+                     "ceiling: the ideal on this link's own T_x spread (a perfect engine); "
+                     "stall: an overlapped push's wait for a free buffer (the link ran late); "
                      "overshoot: compute beyond Tc (the engine ran late); per push, medians")
     summary = run.summary()
     if "peak_speedup" in summary:
         lines.append(f"peak speedup {summary['peak_speedup']:.2f} at Tc/Tx = "
                      f"{summary['peak_speedup_ratio']:g} "
-                     f"({summary['peak_efficiency']:.0%} of ideal)")
+                     f"({summary['peak_efficiency']:.0%} of ideal; this link's ceiling "
+                     f"{summary['peak_ceiling_speedup']:.2f})")
     if run.transfer_s is not None:
         lines.append(f"ridge point: Tc = Tx = {run.transfer_s * 1e3:.2f} ms per layer; below "
                      "it the link sets the pace, above it compute does")
@@ -257,7 +300,8 @@ def write_outputs(run: OverlapRun, out_dir: Path) -> list[Path]:
     summary = run.summary()
     paths.append(plots.overlap_speedup(
         run.rows, out_dir / "overlap-speedup.png",
-        f"Double-buffered overlap vs Tc/Tx{suffix}", summary.get("deployment_ratio")))
+        f"Overlap with {run.params.buffers} buffers vs Tc/Tx{suffix}",
+        summary.get("deployment_ratio")))
     paths.append(plots.overlap_bandwidth(
         run.rows, out_dir / "overlap-bandwidth.png",
         f"Effective bandwidth, sequential vs overlapped{suffix}"))

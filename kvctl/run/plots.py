@@ -103,6 +103,8 @@ def overlap_speedup(rows: list[dict[str, Any]], path: Path, title: str,
     ratios = [r["ratio"] for r in rows]
     ax.plot(ratios, [r["speedup"] for r in rows], "o-", label="measured speedup")
     ax.plot(ratios, [r["ideal_speedup"] for r in rows], "k--", label="ideal N(Tc+Tx)/(N max + min)")
+    ax.plot(ratios, [r["ceiling_speedup"] for r in rows], "k:",
+            label="ceiling on this link's T_x spread")
     ax.axvline(1.0, color="tab:red", alpha=0.6, label="ridge Tc = Tx")
     if deployment_ratio is not None:
         ax.axvline(deployment_ratio, color="tab:green", linestyle=":",
