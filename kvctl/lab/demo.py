@@ -143,7 +143,8 @@ def _summary(results: Path, seconds: float) -> str:
                      f"x{ratio['latency_ratio']:.2f}, bandwidth x{ratio['bandwidth_ratio']:.2f}")
     lines.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
                  f"speedup {o['peak_speedup']:.2f} at Tc/Tx = {o['peak_speedup_ratio']:g} "
-                 f"({o['peak_efficiency']:.0%} of ideal)")
+                 f"({o['peak_efficiency']:.0%} of ideal; the link's T_x spread caps it at "
+                 f"{o['peak_ceiling_speedup']:.2f})")
     tcp = results / "tcp" / "chunk-sweep.json"
     if tcp.exists():
         for ratio in json.loads(tcp.read_text())["ratios"]:
