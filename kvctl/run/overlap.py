@@ -221,8 +221,8 @@ def _row(params: OverlapParams, ratio: float, pairs: list[tuple[float, _Timed, _
     overlapped = [pair[2] for pair in pairs]
     sequential_s = statistics.median(t.seconds for t in sequential)
     overlapped_s = statistics.median(t.seconds for t in overlapped)
-    # Per pair, then the median: the two pushes of a pair ran on the same
-    # link minutes apart from the other pairs.
+    # Per pair, then the median: a pair's two pushes ran back to back with
+    # one Tc, while the link may have drifted between pairs.
     speedup = statistics.median(s.seconds / o.seconds for _, s, o in pairs)
     ideal = analysis.ideal_speedup(tc, tx, params.layers)
     total_bytes = params.shape.total_bytes
