@@ -8,6 +8,7 @@ decode node, which checks every byte against the same seeded cache.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import threading
 import time
@@ -403,6 +404,13 @@ def test_kvctl_run_chunk_sweep_in_the_lab(daemons: Daemons) -> None:
     if daemons.transport == "verbs":
         # ib_write_lat / ib_write_bw ran on the same link, and we are quoted against them.
         assert all(r["perftest_gbps"] > 0 and r["perftest_lat_typical_us"] > 0 for r in rows)
+        # Pings and ib_write_lat ran a round of each in turn; the ratio is the
+        # median of the rounds' own ratios.
+        for r in rows:
+            assert len(r["perftest_lat_rounds_us"]) == 3
+            assert len(r["latency_round_ratios"]) == 3  # none of the runs said 0 µs
+            assert r["latency_ratio"] == statistics.median(r["latency_round_ratios"])
+            assert r["perftest_lat_typical_us"] == statistics.median(r["perftest_lat_rounds_us"])
         assert [r["size"] for r in document["ratios"]] == [4096, 256 << 10]
         assert "lat xpt" in stdout
     for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png"):

@@ -130,6 +130,10 @@ def _serving(rx: ServiceDaemon, tx: ServiceDaemon) -> Iterator[None]:
         rx.stop()
 
 
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"x{value:.2f}"
+
+
 def _summary(results: Path, seconds: float) -> str:
     sweep = json.loads((results / "chunk-sweep.json").read_text())
     overlap = json.loads((results / "overlap.json").read_text())
@@ -140,7 +144,8 @@ def _summary(results: Path, seconds: float) -> str:
              f"({s['recommendation']})"]
     for ratio in sweep["ratios"]:
         lines.append(f"kvwire / perftest at {format_size(ratio['size'])}: latency "
-                     f"x{ratio['latency_ratio']:.2f}, bandwidth x{ratio['bandwidth_ratio']:.2f}")
+                     f"{_times(ratio['latency_ratio'])}, bandwidth "
+                     f"{_times(ratio['bandwidth_ratio'])}")
     lines.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
                  f"speedup {o['peak_speedup']:.2f} at Tc/Tx = {o['peak_speedup_ratio']:g} "
                  f"({o['peak_efficiency']:.0%} of ideal; the link's T_x spread caps it at "

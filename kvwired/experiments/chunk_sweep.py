@@ -10,7 +10,8 @@ Per size, on the daemons' own data path:
    through the real request path (lease, per-layer immediates, delivery
    confirmation), the receiver discarding it once delivered;
 4. optionally a baseline on the same link: perftest (``baseline = perftest``:
-   latency and streaming against ib_write_lat/ib_write_bw) or a plain socket
+   latency and streaming against ib_write_lat/ib_write_bw, a round of pings
+   and an ib_write_lat run in turn, three of each) or a plain socket
    loop (``baseline = socket``: the 48 MiB cache moved at that size by
    ``sendall``/``recv_into``, against the delivery; a delivery and a loop
    round alternate, three of each, and the medians are compared).
@@ -40,7 +41,7 @@ from ..units import format_size
 from . import baseline, perftest, socket_loop
 from .echo import EchoInitiator
 from .host import PeerHandle, Report, SenderHost
-from .spec import SOCKET_LOOP_ROUNDS, SweepParams
+from .spec import PERFTEST_LATENCY_ROUNDS, SOCKET_LOOP_ROUNDS, SweepParams
 
 log = structlog.get_logger("kvwired.experiments.chunk_sweep")
 
@@ -103,14 +104,17 @@ class ChunkSweep:
     async def _measure(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
         row: dict[str, Any] = {"size": size}
-        row.update(await self._latency(link, echo, index, size, progress))
+        if self.params.baseline == "perftest":
+            row.update(await self._latency_against_perftest(link, echo, index, size, progress))
+        else:
+            row.update(await self._latency(link, echo, index, size, progress))
         row.update(await self._stream(link, echo, size, progress))
         if self.params.baseline == "socket":
             row.update(await self._against_socket_loop(link, size, progress))
         elif self.params.deliver:
             row.update(await self._deliver(link, size, progress))
         if self.params.baseline == "perftest":
-            row.update(await self._perftest(link, size, progress))
+            row.update(await self._perftest_bandwidth(link, size, progress))
         return row
 
     # ------------------------------------------------------------ echo
@@ -146,7 +150,12 @@ class ChunkSweep:
 
     async def _latency(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
-        pings = self.params.pings(size)
+        rtts = await self._pings(link, echo, index, size, self.params.pings(size), progress)
+        return _latency_row(rtts)
+
+    async def _pings(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
+                     pings: int, progress: _Progress) -> list[float]:
+        """``pings`` round trips (after a few unmeasured ones), in seconds."""
         warmup = min(10, max(1, pings // 10))
         phase = f"latency {format_size(size)}"
         rtts = []
@@ -156,10 +165,42 @@ class ChunkSweep:
             if n >= warmup:
                 rtts.append(rtt)
                 progress(phase, len(rtts), pings)
-        lat = analysis.half_rtt_latency(rtts)
-        return {"lat_samples": lat.samples, "lat_min_us": lat.min_us, "lat_p50_us": lat.p50_us,
-                "lat_p99_us": lat.p99_us, "lat_p999_us": lat.p999_us,
-                "lat_mean_us": lat.mean_us, "half_rtt_us": [r / 2 * 1e6 for r in rtts]}
+        return rtts
+
+    async def _latency_against_perftest(self, link: PeerHandle, echo: EchoInitiator,
+                                        index: int, size: int,
+                                        progress: _Progress) -> dict[str, Any]:
+        """Pings and ib_write_lat, a round of each in turn.
+
+        As with the socket loop: on a shared host the link's speed drifts
+        within minutes, and a batch of pings followed by one perftest run
+        much later compares two different links. Each round's p50 is set
+        against the perftest run beside it; the ratio is their median.
+        """
+        self._needs_verbs()
+        rounds = PERFTEST_LATENCY_ROUNDS
+        per_round = max(1, -(-self.params.pings(size) // rounds))
+        rtts: list[float] = []
+        figures: list[perftest.LatencyFigures] = []
+        ratios: list[float] = []
+        for n in range(rounds):
+            ours = await self._pings(link, echo, index, size, per_round, progress)
+            progress(f"perftest latency {format_size(size)}", n, rounds, force=True)
+            out = await self._perftest_pair(link, "ib_write_lat", size, max(5, per_round))
+            theirs = perftest.parse_latency(out, size)
+            rtts += ours
+            figures.append(theirs)
+            ratio = analysis.ratio(analysis.half_rtt_latency(ours).p50_us, theirs.typical_us)
+            if ratio is not None:  # perftest reported 0 µs: that round has no ratio
+                ratios.append(ratio)
+        return {**_latency_row(rtts),
+                "perftest_lat_samples": sum(f.iterations for f in figures),
+                "perftest_lat_typical_us": statistics.median(f.typical_us for f in figures),
+                "perftest_lat_p99_us": statistics.median(f.p99_us for f in figures),
+                "perftest_lat_p999_us": statistics.median(f.p999_us for f in figures),
+                "perftest_lat_rounds_us": [f.typical_us for f in figures],
+                "latency_round_ratios": ratios,
+                "latency_ratio": statistics.median(ratios) if ratios else None}
 
     async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
@@ -184,25 +225,22 @@ class ChunkSweep:
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    async def _perftest(self, link: PeerHandle, size: int,
-                        progress: _Progress) -> dict[str, Any]:
+    def _needs_verbs(self) -> None:
         if self.daemon.transport.name != "verbs":
             raise PerftestFailed(
                 "the perftest baseline needs RDMA; the daemons run over tcp",
                 hint="run the daemons with transport = verbs, or drop --baseline")
-        phase = f"perftest {format_size(size)}"
-        progress(phase, 0, 2, force=True)
-        lat_iters = max(5, self.params.pings(size))
-        out = await self._perftest_pair(link, "ib_write_lat", size, lat_iters)
-        lat = perftest.parse_latency(out, size)
-        progress(phase, 1, 2)
+
+    async def _perftest_bandwidth(self, link: PeerHandle, size: int,
+                                  progress: _Progress) -> dict[str, Any]:
+        self._needs_verbs()
+        phase = f"perftest bandwidth {format_size(size)}"
+        progress(phase, 0, 1, force=True)
         bw_iters = max(5, self.params.stream_writes(size))
         out = await self._perftest_pair(link, "ib_write_bw", size, bw_iters)
         bw = perftest.parse_bandwidth(out, size)
-        progress(phase, 2, 2)
-        return {"perftest_lat_samples": lat.iterations, "perftest_lat_typical_us": lat.typical_us,
-                "perftest_lat_p99_us": lat.p99_us, "perftest_lat_p999_us": lat.p999_us,
-                "perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
+        progress(phase, 1, 1)
+        return {"perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
 
     async def _against_socket_loop(self, link: PeerHandle, size: int,
                                    progress: _Progress) -> dict[str, Any]:
@@ -266,6 +304,13 @@ class ChunkSweep:
                 "peak_gbps": max(bandwidth.values()) if bandwidth else None,
                 "recommended_chunk_bytes": chunk, "recommendation": why,
                 "baseline": self.params.baseline or None}
+
+
+def _latency_row(rtts: list[float]) -> dict[str, Any]:
+    lat = analysis.half_rtt_latency(rtts)
+    return {"lat_samples": lat.samples, "lat_min_us": lat.min_us, "lat_p50_us": lat.p50_us,
+            "lat_p99_us": lat.p99_us, "lat_p999_us": lat.p999_us,
+            "lat_mean_us": lat.mean_us, "half_rtt_us": [r / 2 * 1e6 for r in rtts]}
 
 
 async def _connect_and_run(args: list[str], limit: float) -> str:

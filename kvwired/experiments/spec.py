@@ -20,6 +20,8 @@ PERFTEST_TRIES = 3
 # 48 MiB cache at each size, against which the delivery is compared.
 BASELINES = ("", "perftest", "socket")
 SOCKET_LOOP_ROUNDS = 3
+# ib_write_lat runs per size, each beside a round of our pings (drift: see chunk_sweep).
+PERFTEST_LATENCY_ROUNDS = 3
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 
 
