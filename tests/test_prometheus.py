@@ -139,8 +139,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     started = [etcd, receiver, sender, prometheus]
     try:
         _wait_http(f"http://127.0.0.1:{ports['etcd']}/health")
-        for port in ("rx_metrics", "tx_metrics", "prom"):
+        for port in ("rx_metrics", "tx_metrics"):
             _wait_http(f"http://127.0.0.1:{ports[port]}/metrics")
+        # Prometheus serves /metrics before its storage is open, and its
+        # query API answers 503 until then (seen by CI on a loaded host):
+        # /-/ready says 200 only once queries can be answered.
+        _wait_http(f"http://127.0.0.1:{ports['prom']}/-/ready")
         _wait_scraped(ports["prom"])  # the idle state is on record before any work
         _work_and_fail(ports["prom"], tmp / "tx.sock", receiver)
         yield {"port": ports["prom"], "tmp": tmp}
