@@ -155,9 +155,9 @@ def jitter_ceiling(compute_s: float, transfer_samples: Sequence[float], layers: 
     for _ in range(draws):
         transfers = rng.choices(transfer_samples, k=layers)
         overlapped = overlapped_seconds(compute_s, transfers, buffers)
-        if overlapped <= 0:
-            return 1.0
-        speedups.append((layers * compute_s + sum(transfers)) / overlapped)
+        # A push with nothing to compute or move has nothing to overlap.
+        speedups.append((layers * compute_s + sum(transfers)) / overlapped
+                        if overlapped > 0 else 1.0)
     return statistics.median(speedups)
 
 

@@ -72,6 +72,10 @@ class ChunkSweep:
 
     async def run(self) -> dict[str, Any]:
         daemon, params = self.daemon, self.params
+        if params.baseline == "perftest" and daemon.transport.name != "verbs":
+            raise PerftestFailed(
+                "the perftest baseline needs RDMA; the daemons run over tcp",
+                hint="run the daemons with transport = verbs, or drop --baseline")
         link = daemon.link(params.peer)
         progress = _Progress(self.req, self.report)
         await link.ensure()
@@ -177,7 +181,6 @@ class ChunkSweep:
         much later compares two different links. Each round's p50 is set
         against the perftest run beside it; the ratio is their median.
         """
-        self._needs_verbs()
         rounds = PERFTEST_LATENCY_ROUNDS
         per_round = max(1, -(-self.params.pings(size) // rounds))
         rtts: list[float] = []
@@ -225,15 +228,8 @@ class ChunkSweep:
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    def _needs_verbs(self) -> None:
-        if self.daemon.transport.name != "verbs":
-            raise PerftestFailed(
-                "the perftest baseline needs RDMA; the daemons run over tcp",
-                hint="run the daemons with transport = verbs, or drop --baseline")
-
     async def _perftest_bandwidth(self, link: PeerHandle, size: int,
                                   progress: _Progress) -> dict[str, Any]:
-        self._needs_verbs()
         phase = f"perftest bandwidth {format_size(size)}"
         progress(phase, 0, 1, force=True)
         bw_iters = max(5, self.params.stream_writes(size))

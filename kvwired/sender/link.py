@@ -264,17 +264,15 @@ class PeerLink:
             conn.send(message("connect", params=await initiator.offer()))
             ready = await self._expect(conn, "ready")
             channel = await initiator.complete(ready["params"])
-        except TransportError as exc:
+        except BaseException as exc:
             initiator.abandon()
-            if rail and not isinstance(exc, (RailFailed, PeerLost)):
+            if (rail and isinstance(exc, TransportError)
+                    and not isinstance(exc, (RailFailed, PeerLost))):
                 # Connecting a queue pair resolves the peer's address over its
                 # rail (INIT->RTR), on both ends: a dead rail can fail here,
                 # before any probe, once its backoff has let it be tried again.
                 raise RailFailed(f"rail {rail} to receiver {self.name} failed: {exc.message}",
                                  rail=rail) from exc
-            raise
-        except BaseException:
-            initiator.abandon()
             raise
         if probe:
             try:
