@@ -65,7 +65,8 @@ class CommonConfig:
         "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
     )
     heartbeat: float = _opt(
-        1.0, "seconds between control-connection pings; 4 missed pings drop the peer"
+        1.0, "seconds between control-connection pings; 4 missed pings drop the peer, and "
+        "a data channel whose pending writes see no completion for 4 heartbeats is stalled"
     )
     drain_timeout: float = _opt(
         10.0, "on SIGTERM, seconds to let requests in flight finish before they are failed")

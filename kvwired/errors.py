@@ -81,6 +81,20 @@ class ProtocolError(KvwireError, code="protocol",
     """A frame that cannot be decoded or does not follow the protocol."""
 
 
+class InvalidRequest(ProtocolError, code="invalid_request",
+                     hint="fix the request's fields; the connection stays open"):
+    """A well-framed message naming one request whose other fields are wrong.
+
+    An engine-facing API fails that request alone (``failed`` for its id) and
+    keeps the connection: one bad open must not cost an engine its other
+    pushes. Between daemons it is a protocol violation like any other."""
+
+    def __init__(self, message: str, *, hint: str = "", status: str | None = None,
+                 req: str = "") -> None:
+        super().__init__(message, hint=hint, status=status)
+        self.req = req
+
+
 class FrameTooLarge(ProtocolError, code="frame_too_large",
                     hint="a frame this large is not kvwire's; is something else talking "
                          "to this port?"):
@@ -109,6 +123,13 @@ class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connec
                hint="the other daemon stopped or the network between the nodes is down; "
                     "the next request reconnects"):
     """The other daemon went away while work was in flight."""
+
+
+class ChannelStalled(TransportError, code="stalled", status="stalled",
+                     hint="the data connection carried nothing while writes were pending "
+                          "(packets dropped on the path, a wedged NIC or peer); it is torn "
+                          "down and the next request reconnects"):
+    """A data channel with writes pending saw none of them complete for the stall bound."""
 
 
 class RailFailed(TransportError, code="rail_failed", status="rail_failed",

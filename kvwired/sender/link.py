@@ -20,9 +20,10 @@ from typing import Protocol
 import structlog
 
 from ..config import SenderConfig, parse_address
-from ..control import ControlConnection
+from ..control import MISSED_PINGS, ControlConnection
 from ..errors import (
     AuthenticationFailed,
+    ChannelStalled,
     DuplicateRequest,
     KvwireError,
     PeerLost,
@@ -97,7 +98,7 @@ class PeerLink:
         metrics.reconnects.labels(name)
         metrics.peer_seen(name)
         for status in ("connection_lost", "retry_exceeded", "rnr_retry_exceeded",
-                       "remote_access"):
+                       "remote_access", "stalled"):
             metrics.completion_errors.labels(name, status)
 
     @property
@@ -138,11 +139,20 @@ class PeerLink:
         return self.conn.local_host
 
     async def keep_connected(self) -> None:
-        """Hold the connection up between requests; retries back off to 30 s."""
+        """Hold the connection up between requests (retries back off to 30 s),
+        and watch its data channels for progress while it is up."""
         backoff = 1.0
+        tick = min(1.0, self.config.heartbeat)
+        loop = asyncio.get_running_loop()
+        woke = loop.time()
         while self.machine.usable:
             if self.connected:
                 backoff = 1.0
+                # A tick late by more than a heartbeat means this process was
+                # stopped or starved: completions that arrived meanwhile are
+                # still unread, so judge the channels on the next tick, not now.
+                if loop.time() - woke <= tick + self.config.heartbeat:
+                    self.check_progress()
                 self._take_rails_back()
             else:
                 try:
@@ -151,7 +161,43 @@ class PeerLink:
                 except KvwireError as exc:
                     log.debug("receiver not reachable yet", peer=self.name, error=str(exc))
                     backoff = min(backoff * 2, RECONNECT_MAX)
-            await asyncio.sleep(1.0 if self.connected else backoff)
+            woke = loop.time() + (tick if self.connected else backoff)
+            await asyncio.sleep(tick if self.connected else backoff)
+
+    @property
+    def stall_bound(self) -> float:
+        """How long a data channel may hold pending writes with none completing:
+        the bound the control connection gives a silent peer (its missed pings)."""
+        return self.config.heartbeat * MISSED_PINGS
+
+    def check_progress(self, bound: float | None = None) -> None:
+        """Fail a data channel that has stalled (``bound``: ``stall_bound``), and
+        the link with it.
+
+        A stream whose packets are dropped without a reset (a firewall, a
+        wedged path) raises nothing: TCP retransmits for many minutes, and
+        the control connection beside it stays healthy, so neither the
+        heartbeat nor a deadline (whose drain waits for the posted writes)
+        would ever end the push. A channel with writes pending and none
+        completing for ``stall_bound`` is declared stalled; its posts fail,
+        the link drops, the receiver frees the link's undelivered leases, and
+        every push on it ends with that error (or its deadline's).
+        """
+        now = time.monotonic()
+        bound = self.stall_bound if bound is None else bound
+        for number, channel in enumerate(self.channels):
+            stalled = channel.stalled_for(now)
+            if stalled <= bound:
+                continue
+            error = ChannelStalled(
+                f"data channel {number} to receiver {self.name} placed nothing for "
+                f"{stalled:.1f} s with {channel.pending_writes} writes pending")
+            log.warning("data channel stalled", peer=self.name, channel=number,
+                        seconds=round(stalled, 1), pending=channel.pending_writes)
+            channel.fail(error)
+            self.lost(PeerLost(f"receiver {self.name}: {error.message}", hint=error.hint,
+                               status=error.status))
+            return
 
     async def ensure(self) -> None:
         async with self._lock:

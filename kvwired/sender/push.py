@@ -333,10 +333,27 @@ class PushDriver:
             part.add_done_callback(sent)
 
     def _drain(self, push: Push) -> None:
-        """POSTS_DONE once no posted write of ``push`` is outstanding."""
+        """POSTS_DONE once no posted write of ``push`` is outstanding.
+
+        An abort was asked for (a deadline, the engine), so the drain does not
+        give a channel the whole stall bound: one that completes nothing for a
+        heartbeat while this push waits on it is declared stalled, and the
+        push ends within about two heartbeats of its deadline, whatever the
+        transport is doing. A channel that moves, however slowly, is waited for.
+        """
+        heartbeat = self.config.heartbeat
+        loop = asyncio.get_running_loop()
+
         async def drained() -> None:
-            if push.posts:
-                await asyncio.wait(push.posts)  # never cancels them (see _post)
+            pending = {p for p in push.posts if not p.done()}
+            while pending:
+                began = loop.time()
+                # asyncio.wait never cancels them (see _post).
+                _, pending = await asyncio.wait(pending, timeout=heartbeat)
+                # Overshot by more than a heartbeat: this process was stopped or
+                # starved, and completions may sit unread; look again first.
+                if pending and loop.time() - began <= 2 * heartbeat:
+                    push.link.check_progress(heartbeat)
             if push.machine.can(PushEvent.POSTS_DONE):
                 push.event(PushEvent.POSTS_DONE)
         spawn(drained(), f"drain-{push.req}")

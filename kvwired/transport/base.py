@@ -22,6 +22,7 @@ initiator makes an *offer*, the responder answers, the initiator completes.
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -86,6 +87,27 @@ class DataChannel(ABC):
     # Told once, when the channel fails (not when it is closed on purpose).
     on_failure: ErrorHandler | None = None
     _error: TransportError | None = None
+    # When a write last completed, or writes became pending on an idle channel:
+    # what ``stalled_for`` measures from.
+    _progress_at: float = 0.0
+
+    def _posting(self) -> None:
+        """Called by ``post`` before it queues: an idle channel starts its clock."""
+        if self.pending_writes == 0:
+            self._progress_at = time.monotonic()
+
+    def _progressed(self) -> None:
+        """Called on every completion: the channel moves."""
+        self._progress_at = time.monotonic()
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds this channel has had writes pending and seen none complete
+        (0 when idle or failed). A stream whose packets are silently dropped
+        raises no error of its own, and the control connection beside it
+        stays healthy: this is what tells (see ``PeerLink.check_progress``)."""
+        if self._error is not None or self.pending_writes == 0:
+            return 0.0
+        return max(0.0, now - self._progress_at)
 
     def report_failure(self, error: Exception) -> None:
         if self.on_failure is not None:

@@ -436,6 +436,7 @@ class TcpDataChannel(DataChannel):
         if self._error is not None:
             future.set_exception(self._error)
         else:
+            self._posting()
             self._queue.append((writes, imm, key, future))
             self._pending += len(writes)
             self._wakeup.set()
@@ -484,6 +485,7 @@ class TcpDataChannel(DataChannel):
         return frames
 
     def completed(self, wr_id: int) -> None:
+        self._progressed()
         self._pending -= self._writes_of.pop(wr_id, 0)
         future = self._inflight.pop(wr_id, None)
         if future is not None and not future.done():

@@ -455,6 +455,7 @@ class VerbsDataChannel(DataChannel):
                     f"write of {w.length} B at {w.remote_offset} is outside the remote "
                     f"{self._remote_size} B region"))
                 return future
+        self._posting()
         self._queue.append(_Post(self._split(writes), imm,
                                  self._rkey if key is None else key, future))
         self._post_some()
@@ -526,6 +527,7 @@ class VerbsDataChannel(DataChannel):
             if wc.status != e.IBV_WC_SUCCESS:
                 self.fail(completion_error(wc.status, self._qp.qp.qp_num, "RDMA write"))
                 return
+            self._progressed()
             while self._signals:
                 signal = self._signals.popleft()
                 self._outstanding -= signal.count
