@@ -25,7 +25,16 @@ from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
 from .pool import map_shared_fd, map_slot, retire_mapping
-from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Message, Schema, message
+from .protocol import (
+    MAX_SECONDS,
+    RECEIVER_LOCAL,
+    REQ,
+    SENDER_LOCAL,
+    SHAPE,
+    Message,
+    Schema,
+    message,
+)
 from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
@@ -68,6 +77,16 @@ class Delivered:
     @property
     def shape(self) -> RequestShape:
         return RequestShape(self.layers, self.length // self.layers)
+
+
+def _check_request(req: str, shape: RequestShape) -> None:
+    """What the daemon would refuse, said before anything is sent."""
+    for field, value in (("req", req), ("shape", shape.to_wire())):
+        check = (REQ if field == "req" else SHAPE).check
+        if check is not None and (wrong := check(value)) is not None:
+            raise UsageError(f"request {req[:64]!r} cannot be opened: {field} {wrong}",
+                             hint="at most 1,024 layers of at most 1 TiB each, and a "
+                                  "request id of 1 to 256 characters")
 
 
 class _Connection:
@@ -147,6 +166,7 @@ class OutgoingPush:
         self._mapping = map_slot(client.conn.fd, offset, shape.total_bytes)
         self.buffer = memoryview(self._mapping)[: shape.total_bytes]
         self._committed = 0
+        self._aborted = False
         self._started = started
         self._result: asyncio.Future[PushResult] = asyncio.get_running_loop().create_future()
         self.sent_layers = 0  # layers placed at the receiver so far
@@ -191,15 +211,24 @@ class OutgoingPush:
 
     async def finish(self) -> PushResult:
         """Wait until the receiver has every byte; the request's timings."""
-        if self._committed < self.shape.layers and not self._result.done():
+        if (self._committed < self.shape.layers and not self._aborted
+                and not self._result.done()):
             raise UsageError(
                 f"finish() before every layer was committed ({self._committed} of "
                 f"{self.shape.layers})", hint="commit all layers, or abort()")
-        return await self._result
+        # Shielded: a caller that stops waiting (asyncio.wait_for, a cancelled
+        # task) must not cancel the outcome itself, or the push could neither
+        # be aborted nor learn what the receiver decided.
+        return await asyncio.shield(self._result)
 
     def abort(self) -> None:
-        if not self._result.done():
-            self.client.conn.send(message("abort", req=self.req))
+        """Ask the daemon to abort; ``finish()`` then says how the request ended
+        (aborted, or delivered first: the receiver decides)."""
+        if not self._result.done() and not self._aborted:
+            self._aborted = True
+            # A broken connection fails the push with its own error.
+            with contextlib.suppress(KvwireError):
+                self.client.conn.send(message("abort", req=self.req))
 
     def _finished(self, msg: Message) -> None:
         if not self._result.done():
@@ -305,6 +334,7 @@ class SenderClient(_LocalClient):
         request_shape = shape.shape() if isinstance(shape, KVLayout) else shape
         if req in self._opening or req in self._pushes:
             raise UsageError(f"request {req} is already open on this client")
+        _check_request(req, request_shape)
         fields: dict[str, Any] = {"req": req, "peer": peer or self.only_peer(),
                                   "shape": request_shape.to_wire()}
         if chunk is not None:

@@ -16,7 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from .errors import DaemonUnavailable, KvwireError, ProtocolError, from_wire
+import structlog
+
+from .errors import DaemonUnavailable, InvalidRequest, KvwireError, ProtocolError, from_wire
 from .protocol import MAX_FRAME, FrameDecoder, Message, Schema, encode, error_message, message
 from .stream import MessageStream
 
@@ -36,6 +38,8 @@ def send_with_fd(writer: asyncio.StreamWriter, msg: Message, fd: int) -> None:
 
 
 HELLO_TIMEOUT = 10.0
+log = structlog.get_logger("kvwired.local")
+
 CONNECT_PATIENCE = 10.0  # seconds a client retries a full backlog
 BACKLOG = 1024  # engines connecting at once (the kernel caps it at somaxconn)
 
@@ -65,7 +69,16 @@ async def local_session(
     if hello["t"] != "hello":
         raise ProtocolError(f"expected hello, got {hello['t']!r}")
     send_with_fd(writer, welcome, fd)
-    while (msg := await stream.receive()) is not None:
+    while True:
+        try:
+            msg = await stream.receive()
+        except InvalidRequest as exc:
+            # That request fails; the engine's connection and its other work go on.
+            log.info("request refused: invalid fields", req=exc.req, reason=exc.message)
+            stream.send(message("failed", req=exc.req, error=exc.to_wire()))
+            continue
+        if msg is None:
+            return
         dispatch(msg)
 
 

@@ -25,7 +25,13 @@ from typing import Any
 import msgpack
 
 from . import immediate, stripes
-from .errors import FrameTooLarge, KvwireError, ProtocolError, VersionMismatch
+from .errors import (
+    FrameTooLarge,
+    InvalidRequest,
+    KvwireError,
+    ProtocolError,
+    VersionMismatch,
+)
 
 PROTOCOL_VERSION = 4
 # An engine's ``peer`` that lets the sender choose (discovery: the connected
@@ -276,7 +282,21 @@ def validate(msg: object, schema: Schema) -> Message:
             f"unknown message type {kind!r}",
             hint=f"expected one of {', '.join(sorted(schema))}",
         )
-    for name, field in schema[kind].items():
+    fields = schema[kind]
+    try:
+        _check_fields(kind, msg, fields)
+    except ProtocolError as exc:
+        req = msg.get("req")
+        if "req" in fields and isinstance(req, str) and REQ.check is not None \
+                and REQ.check(req) is None:
+            # The frame is whole and names its request: only that request is bad.
+            raise InvalidRequest(exc.message, hint=exc.hint, req=req) from None
+        raise
+    return msg
+
+
+def _check_fields(kind: str, msg: dict[str, Any], fields: Mapping[str, Field]) -> None:
+    for name, field in fields.items():
         if name not in msg or msg[name] is None:
             if field.required:
                 raise ProtocolError(f"{kind!r} message lacks field {name!r}")
@@ -292,7 +312,6 @@ def validate(msg: object, schema: Schema) -> Message:
         if field.check is not None and (wrong := field.check(value)) is not None:
             raise ProtocolError(f"{kind!r} field {name!r}: {wrong}",
                                 hint=f"send {field.expected}" if field.expected else "")
-    return msg
 
 
 class FrameDecoder:
