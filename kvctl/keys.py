@@ -76,8 +76,15 @@ def _daemon_group() -> int | None:
     return gid if os.geteuid() == 0 else None
 
 
+def _check_lifetime(days: int) -> None:
+    if days < 1:
+        raise ConfigError(f"a lifetime of {days} days makes a certificate that is already "
+                          "expired", hint="pass --days 1 or more (the default is a year)")
+
+
 def init_ca(directory: Path, cluster: str = "kvwire", days: int = 3650,
             force: bool = False) -> Path:
+    _check_lifetime(days)
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / CA_KEY_FILE).exists() and not force:
         raise ConfigError(f"{directory / CA_KEY_FILE} exists: this cluster has a CA already",
@@ -119,6 +126,7 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
 
 def issue(ca_directory: Path, name: str, role: str, out: Path, days: int = 365) -> Path:
     """A node's key and certificate (and the CA certificate) in ``out``."""
+    _check_lifetime(days)
     if role not in ROLES:
         raise ConfigError(f"unknown role {role!r}", hint=f"one of {', '.join(ROLES)}")
     if not name or len(name) > 64 or not name.isprintable():

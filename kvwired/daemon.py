@@ -69,6 +69,7 @@ class Daemon(ABC):
                                               "credentials")
             return
         self.trust = Trust(self.config.tls_dir, self.config.name)
+        self.metrics.certificate_expiry.set(self.trust.expires_at)
 
     # ------------------------------------------------------ for subclasses
 
@@ -213,6 +214,7 @@ def _reload(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None,
     if daemon.trust is not None:
         # New handshakes use what is on disk now; sessions already up stay.
         daemon.trust.reload()
+        daemon.metrics.certificate_expiry.set(daemon.trust.expires_at)
     if reload_config is None:
         daemon.reload(daemon.config)
         return

@@ -174,6 +174,11 @@ class Metrics:
         self.clients = Gauge(
             "kvwire_local_clients", "engines connected on the unix socket", registry=r,
         )
+        self.certificate_expiry = Gauge(
+            "kvwire_certificate_expiry_timestamp_seconds",
+            "when this daemon's TLS certificate expires (0 with auth = \"none\")",
+            registry=r,
+        )
         self.inflight = Gauge(
             "kvwire_requests_in_flight", "requests open and not yet delivered", registry=r,
         )

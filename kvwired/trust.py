@@ -21,6 +21,7 @@ new CA, sessions already established are not touched.
 
 from __future__ import annotations
 
+import datetime
 import ssl
 import stat
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ CA_FILE = "ca.crt"
 CERT_FILE = "node.crt"
 KEY_FILE = "node.key"
 DEFAULT_DIR = "/etc/kvwire/tls"
+# A certificate this close to its end is loaded with a warning (and alerted on).
+EXPIRY_WARNING = datetime.timedelta(days=14)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,29 @@ class CredentialFiles:
                 hint=f"chmod 0640 {self.key} (owner root, group kvwire) or 0600")
 
 
+def _utc(moment: datetime.datetime) -> datetime.datetime:
+    """cryptography 38 (Debian 12's) gives naive datetimes that mean UTC."""
+    return moment.replace(tzinfo=datetime.UTC)
+
+
+def _check_validity(certificate: x509.Certificate, path: Path, what: str) -> None:
+    """Refuse a certificate outside its validity window: every handshake made
+    with it would fail, and the peers would hear only a verify failure."""
+    now = datetime.datetime.now(datetime.UTC)
+    not_after, not_before = _utc(certificate.not_valid_after), _utc(certificate.not_valid_before)
+    if now > not_after:
+        raise ConfigError(
+            f"the {what} in {path} expired at "
+            f"{not_after.isoformat(timespec='seconds')}",
+            hint="issue a new one (`kvctl keys issue NAME --role ROLE`, or `kvctl keys init "
+                 "--force` for the CA), copy it in and send SIGHUP")
+    if now < not_before:
+        raise ConfigError(
+            f"the {what} in {path} is not valid before "
+            f"{not_before.isoformat(timespec='seconds')}",
+            hint="check this node's clock (and the issuing node's), or reissue it")
+
+
 def peer_name(certificate: dict[str, Any] | None) -> str:
     """The common name of a verified peer certificate (``getpeercert()``)."""
     for rdn in (certificate or {}).get("subject", ()):
@@ -98,6 +124,7 @@ class Trust:
         self.client = self._context(ssl.PROTOCOL_TLS_CLIENT)
         self.own_name = ""
         self.fingerprint = ""  # SHA-256 of our certificate, hex (the registry shows it)
+        self.expires_at = 0.0  # our certificate's notAfter, seconds since the epoch
         self.load()
 
     def _context(self, protocol: int) -> ssl.SSLContext:
@@ -120,6 +147,13 @@ class Trust:
         except (ssl.SSLError, OSError, ValueError) as exc:
             raise ConfigError(f"cannot load the credentials in {self.files.directory}: {exc}",
                               hint="reissue them with `kvctl keys issue`") from exc
+        _check_validity(own, self.files.cert, "certificate")
+        try:
+            ca = x509.load_pem_x509_certificate(self.files.ca.read_bytes())
+        except ValueError as exc:
+            raise ConfigError(f"cannot read {self.files.ca}: {exc}",
+                              hint="copy the cluster's ca.crt there again") from exc
+        _check_validity(ca, self.files.ca, "cluster CA certificate")
         names = own.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         own_name = str(names[0].value) if names else ""
         if own_name != self.name:
@@ -132,8 +166,17 @@ class Trust:
             context.load_cert_chain(str(self.files.cert), str(self.files.key))
         self.own_name = own_name
         self.fingerprint = own.fingerprint(hashes.SHA256()).hex()
-        log.info("credentials loaded", directory=str(self.files.directory), name=own_name,
-                 expires=own.not_valid_after.isoformat())
+        expires = _utc(own.not_valid_after)
+        self.expires_at = expires.timestamp()
+        left = expires - datetime.datetime.now(datetime.UTC)
+        if left < EXPIRY_WARNING:
+            log.warning("credentials loaded, close to expiry", directory=str(
+                self.files.directory), name=own_name, expires=expires.isoformat(),
+                days_left=round(left.total_seconds() / 86400, 1),
+                hint=f"reissue with `kvctl keys issue {own_name}` and send SIGHUP")
+        else:
+            log.info("credentials loaded", directory=str(self.files.directory), name=own_name,
+                     expires=expires.isoformat())
 
     def reload(self) -> bool:
         try:

@@ -21,7 +21,7 @@ from kvwired import checksum
 from kvwired.cli import build_daemon
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.config import SenderConfig, build
-from kvwired.errors import AccessDenied, AuthenticationFailed, PoolFull
+from kvwired.errors import AccessDenied, AuthenticationFailed, ConfigError, PoolFull
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 from kvwired.receiver import MAX_PEER_LABELS
 from kvwired.trust import Trust
@@ -281,3 +281,63 @@ async def test_a_removed_peers_series_go_away(local: LocalDaemons) -> None:
                 what="the removed peer's series gone")
     local.sender.reload_peers({"decode": address})
     await _push_ok(local, "back")
+
+
+def _reissue_with_window(tls: Path, name: str, before_days: float, after_days: float) -> None:
+    """Overwrite ``name``'s certificate with one valid from ``before_days`` to
+    ``after_days`` from now (negative: in the past), signed by the cluster CA."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    from kvctl.keys import ROLES, _load_ca, _name
+
+    ca_certificate, ca_key = _load_ca(tls / "ca")
+    node = tls / name
+    key = serialization.load_pem_private_key((node / "node.key").read_bytes(), None)
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder().subject_name(_name(name))
+        .issuer_name(ca_certificate.subject).public_key(key.public_key())  # type: ignore[arg-type]
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now + datetime.timedelta(days=before_days))
+        .not_valid_after(now + datetime.timedelta(days=after_days))
+        .add_extension(x509.ExtendedKeyUsage(ROLES["receiver"]), critical=True)
+        .sign(ca_key, hashes.SHA256()))
+    (node / "node.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+
+
+def test_an_expired_certificate_is_refused_at_start_and_at_reload_keeping_the_old(
+        tmp_path: Path) -> None:
+    tls = tmp_path / "tls"
+    directory = local_cluster(tls, {"decode": "receiver"})["decode"]
+    trust = Trust(str(directory), "decode")
+    good_until = trust.expires_at
+    _reissue_with_window(tls, "decode", -3, -1)
+    assert trust.reload() is False  # the loaded credentials stay in force
+    assert trust.expires_at == good_until
+    with pytest.raises(ConfigError, match="expired at") as refused:
+        Trust(str(directory), "decode")
+    assert "kvctl keys issue" in refused.value.hint
+    _reissue_with_window(tls, "decode", 2, 30)
+    with pytest.raises(ConfigError, match="not valid before"):
+        Trust(str(directory), "decode")
+
+
+def test_a_certificate_close_to_expiry_loads_with_a_warning(tmp_path: Path) -> None:
+    tls = tmp_path / "tls"
+    directory = local_cluster(tls, {"decode": "receiver"})["decode"]
+    _reissue_with_window(tls, "decode", -1, 3)
+    with structlog.testing.capture_logs() as logs:
+        trust = Trust(str(directory), "decode")
+    assert trust.expires_at > 0
+    warned = [entry for entry in logs if entry["log_level"] == "warning"]
+    assert warned and warned[0]["days_left"] < 14
+
+
+@pytest.mark.parametrize("days", [0, -5])
+def test_keys_issue_refuses_a_lifetime_that_is_already_over(tmp_path: Path, days: int) -> None:
+    local_cluster(tmp_path / "tls", {"decode": "receiver"})
+    with pytest.raises(ConfigError, match="already expired"):
+        issue(tmp_path / "tls" / "ca", "prefill", "sender", tmp_path / "out", days=days)

@@ -261,11 +261,15 @@ class PeerLink:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=tls), cfg.connect_timeout)
         except ssl.SSLError as exc:
+            verify = str(getattr(exc, "verify_message", "") or "")
             raise AuthenticationFailed(
                 f"receiver {self.name} at {host}:{port} failed the TLS handshake: "
-                f"{exc.reason or exc}",
-                hint="its certificate must come from this cluster's CA and be a receiver's; "
-                     "a receiver with auth = \"none\" fails this way too") from exc
+                f"{verify or exc.reason or exc}",
+                hint=("a certificate in the handshake has expired: reissue it with `kvctl "
+                      "keys issue` and send SIGHUP to the daemon that holds it"
+                      if "expired" in verify else
+                      "its certificate must come from this cluster's CA and be a receiver's; "
+                      "a receiver with auth = \"none\" fails this way too")) from exc
         except (OSError, TimeoutError) as exc:
             raise PeerLost(
                 f"cannot reach receiver {self.name} at {host}:{port}: "
