@@ -81,10 +81,9 @@ class Delivered:
 
 def _check_request(req: str, shape: RequestShape) -> None:
     """What the daemon would refuse, said before anything is sent."""
-    for field, value in (("req", req), ("shape", shape.to_wire())):
-        check = (REQ if field == "req" else SHAPE).check
-        if check is not None and (wrong := check(value)) is not None:
-            raise UsageError(f"request {req[:64]!r} cannot be opened: {field} {wrong}",
+    for name, field, value in (("req", REQ, req), ("shape", SHAPE, shape.to_wire())):
+        if field.check is not None and (wrong := field.check(value)) is not None:
+            raise UsageError(f"request {req[:64]!r} cannot be opened: {name} {wrong}",
                              hint="at most 1,024 layers of at most 1 TiB each, and a "
                                   "request id of 1 to 256 characters")
 

@@ -22,6 +22,8 @@ from .errors import DaemonUnavailable, InvalidRequest, KvwireError, ProtocolErro
 from .protocol import MAX_FRAME, FrameDecoder, Message, Schema, encode, error_message, message
 from .stream import MessageStream
 
+log = structlog.get_logger("kvwired.local")
+
 ClientHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -38,8 +40,6 @@ def send_with_fd(writer: asyncio.StreamWriter, msg: Message, fd: int) -> None:
 
 
 HELLO_TIMEOUT = 10.0
-log = structlog.get_logger("kvwired.local")
-
 CONNECT_PATIENCE = 10.0  # seconds a client retries a full backlog
 BACKLOG = 1024  # engines connecting at once (the kernel caps it at somaxconn)
 
