@@ -31,6 +31,7 @@ import pytest
 from kvctl.keys import local_cluster
 from kvctl.netns import DaemonProcess, Host, NetnsPair, check_can_run, scrape_in
 from kvwired.client import Delivered, ReceiverClient, SenderClient
+from kvwired.discovery.address import RegistryAddress
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
 
@@ -330,3 +331,68 @@ async def _left_everywhere(fleet: Fleet, receiver: str, times: int = 1) -> bool:
                           and receiver in event.get("left", []))
         return count
     return all(departures(daemon) >= times for daemon in fleet.senders.values())
+
+
+def registry_call(fleet: Fleet, body: str) -> str:
+    """Run ``body`` (async Python with ``client`` and ``key``) against the fleet's
+    etcd from the decode namespace, as anyone with write access could."""
+    address = RegistryAddress.parse(fleet.etcd.url)
+    script = ("import asyncio, json, aetcd\n"
+              "async def main():\n"
+              f"    client = aetcd.Client({address.host!r}, {address.port})\n"
+              f"    key = {address.key('decode-a')!r}\n"
+              + "".join(f"    {line}\n" for line in body.splitlines())
+              + "    await client.close()\n"
+              "asyncio.run(main())\n")
+    out = subprocess.run(fleet.pair.argv(fleet.pair.decode, [sys.executable, "-c", script]),
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def stored_record(fleet: Fleet) -> tuple[dict[str, Any], int]:
+    """decode-a's record as etcd holds it, and the etcd lease it is bound to."""
+    shown = json.loads(registry_call(fleet, "got = await client.get(key)\n"
+                                            "print(json.dumps([got.value.decode(), got.lease]))"))
+    return json.loads(shown[0]), int(shown[1])
+
+
+async def test_a_forged_record_heals_within_a_refresh_and_costs_auto_nothing(
+        fleet: Fleet, pushing: Callable[[], Tally]) -> None:
+    """An overwrite of a receiver's record (a tarpit address, no etcd lease, so
+    it would never expire) is undone by the receiver within a refresh, and
+    the sender keeps its authenticated link to the real receiver meanwhile."""
+    receiver = fleet.receiver("decode-a", 0)
+    sender = fleet.sender("prefill-1", 0)
+
+    async def connected() -> bool:
+        return await fleet.sample("prefill-1", "kvwire_peer_up", peer="decode-a") >= 1
+
+    await until(connected, 30, "prefill-1 reaches decode-a")
+    genuine, lease = await asyncio.to_thread(stored_record, fleet)
+    assert lease != 0, genuine
+    tally = pushing()
+    await until(lambda: _at_least(tally, 2), 60, "pushes delivered")
+
+    forged = {**genuine, "control": f"{fleet.pair.decode.address}:7999",
+              "pool_bytes": 1 << 50, "pool_free": 1 << 50}
+    started = time.monotonic()
+    await asyncio.to_thread(registry_call, fleet,
+                            f"await client.put(key, {json.dumps(forged).encode()!r})")
+
+    async def restored() -> bool:
+        record, bound = await asyncio.to_thread(stored_record, fleet)
+        return record["control"] == genuine["control"] and bound != 0
+
+    healed = await until(restored, 10, "decode-a restores its record")
+    await until(lambda: asyncio.to_thread(fleet.log_has, receiver,
+                                          "registry record changed by someone else"),
+                10, "the receiver says its record was overwritten")
+    done = tally.total_verified
+    await until(lambda: _at_least(tally, done + 6), 60, "auto pushes after the forgery")
+    print(json.dumps({"forged_record_healed_s": round(healed, 2),
+                      "since_forgery_s": round(time.monotonic() - started, 2)}))
+    assert not tally.errors, tally.errors
+    assert not tally.typed, tally.typed  # not one auto push lost to the forgery
+    assert await fleet.sample("prefill-1", "kvwire_reconnects_total", peer="decode-a") == 0
+    assert fleet.log_has(sender, "authenticated link is kept")

@@ -4,7 +4,9 @@
 record each under ``/kvwire/<cluster>/receivers/<name>``, bound to an etcd
 lease of ``TTL`` seconds that they refresh every second: a receiver that
 dies (SIGKILL, power) drops out of the registry when its lease expires, one
-that stops cleanly withdraws its record at once. Senders read the prefix and
+that stops cleanly withdraws its record at once. At each refresh a receiver
+reads its record back and restores it if anyone else changed it, so an
+overwritten or deleted record is wrong for at most a second. Senders read the prefix and
 then watch it from the revision they read at, so no change falls between the
 two.
 
@@ -103,15 +105,26 @@ class Announcer:
         client = self.link.client()
         key = self.link.address.key(self.describe().name)
         self._lease = lease = await client.lease(TTL)
-        published: Member | None = None
+        published: bytes | None = None
         while True:
             member = self.describe()
-            if member != published:
-                await client.put(key, member.encode(), lease=lease)
+            record = member.encode()
+            # Read back on every refresh, not only when our figures change:
+            # anyone who can write to etcd can overwrite or delete the record,
+            # and a put without our lease would outlive us and never expire.
+            stored = await client.get(key)
+            if stored is None or stored.value != record or stored.lease != lease.id:
+                if published is not None and (stored is None or stored.value != published
+                                              or stored.lease != lease.id):
+                    log.warning("registry record changed by someone else: restored",
+                                key=key.decode(), found=_shown(stored),
+                                hint="only this receiver may write its record; check who "
+                                     "else writes to the registry")
+                await client.put(key, record, lease=lease)
                 if published is None:
                     log.info("registered", registry=str(self.link.address),
                              name=member.name, control=member.control, ttl=TTL)
-                published = member
+                published = record
             reply = await lease.refresh()
             if reply is None or reply.TTL <= 0:
                 # etcd was away longer than the TTL: the record is gone.
@@ -182,6 +195,14 @@ class Watcher:
             log.info("membership changed", joined=changes.joined, left=changes.left,
                      moved=changes.moved, members=sorted(self.membership.members))
         self.on_change(changes)
+
+
+def _shown(stored: Any) -> str:
+    """What was found under a receiver's key, for the log (bounded)."""
+    if stored is None:
+        return "nothing (deleted)"
+    value = bytes(stored.value)[:200].decode(errors="replace")
+    return f"{value} (etcd lease {stored.lease or 'none'})"
 
 
 async def _until(watch: Any, health: asyncio.Future[None]) -> Any:

@@ -167,6 +167,16 @@ class SenderDaemon(Daemon):
             if peers.get(name) == link.address:
                 continue
             changes["changed" if name in peers else "removed"].append(name)
+            if name in peers and self.trust is not None and link.connected:
+                # The receiver on this link proved its name by certificate, and
+                # is still there: a record (or config) naming another address
+                # for it cannot make it less so. Keep the link; the new address
+                # is where it reconnects if it drops. A forged record then costs
+                # nothing, and a receiver restores its own within a second.
+                log.info("receiver's address changed; its authenticated link is kept",
+                         peer=name, address=link.address, new_address=peers[name])
+                link.address = peers[name]
+                continue
             del self.links[name]
             link.retire(why)
             spawn(self._retire(link), f"retire-{name}")
