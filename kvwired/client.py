@@ -42,6 +42,12 @@ DEFAULT_RECEIVER_SOCKET = "/run/kvwire/receiver.sock"
 # Where an engine finds its daemon when it names no socket: these variables,
 # then the paths the shipped units use.
 SENDER_SOCKET_VARIABLE = "KVWIRE_SENDER_SOCKET"
+# How long a push whose every layer was committed waits for its sender daemon
+# to come back (systemd restarts it) and say how the request ended, when it
+# has no deadline; with one, until the deadline and VERDICT_GRACE past it.
+DAEMON_RETURN_WAIT = 30.0
+VERDICT_GRACE = 2.0
+RECONNECT_EVERY = 0.2  # seconds between attempts to reach a restarted daemon
 RECEIVER_SOCKET_VARIABLE = "KVWIRE_RECEIVER_SOCKET"
 T = TypeVar("T")
 C = TypeVar("C", bound="_LocalClient")
@@ -152,10 +158,13 @@ class OutgoingPush:
     """One request being pushed: fill layers in staging memory, commit each."""
 
     def __init__(self, client: SenderClient, req: str, shape: RequestShape, offset: int,
-                 chunk_bytes: int, started: float, peer: str = "") -> None:
+                 chunk_bytes: int, started: float, peer: str = "", lease: int = 0,
+                 deadline: float | None = None) -> None:
         self.client = client
         self.req = req
         self.peer = peer  # the receiver it goes to (the sender's choice, for "auto")
+        self.lease = lease  # the receiver's lease: what to ask about if the daemon dies
+        self.deadline = deadline  # seconds from ``started``, as given to open()
         self.shape = shape
         self.chunk_bytes = chunk_bytes
         assert client.conn.fd is not None, "the sender's pool fd is kept for per-push maps"
@@ -244,6 +253,18 @@ class OutgoingPush:
         self._sent_changed.set()
         self._retire()
 
+    @property
+    def fully_committed(self) -> bool:
+        """Every layer is in the daemon's hands: the receiver may have it all."""
+        return self._committed == self.shape.layers
+
+    def verdict_wait(self) -> float:
+        """Seconds to wait for a lost daemon's successor to say how this ended."""
+        if self.deadline is None:
+            return DAEMON_RETURN_WAIT
+        left = self._started + self.deadline - time.perf_counter()
+        return max(0.0, left) + VERDICT_GRACE
+
     def _retire(self, tell_daemon: bool = True) -> None:
         """The push ended: take its staging away from every view, then let the
         daemon reuse it."""
@@ -262,6 +283,7 @@ class _Opening:
     future: asyncio.Future[OutgoingPush]
     shape: RequestShape
     started: float
+    deadline: float | None
 
 
 @dataclass
@@ -308,6 +330,7 @@ class SenderClient(_LocalClient):
         self._opening: dict[str, _Opening] = {}
         self._pushes: dict[str, OutgoingPush] = {}
         self._runs: dict[str, _Run] = {}
+        self._asking: asyncio.Future[None] | None = None  # pushes outliving the daemon
 
     @classmethod
     async def connect(cls, path: str | None = None) -> SenderClient:
@@ -347,7 +370,7 @@ class SenderClient(_LocalClient):
         if discard:
             fields["discard"] = 1
         opening = _Opening(asyncio.get_running_loop().create_future(), request_shape,
-                           time.perf_counter())
+                           time.perf_counter(), fields.get("deadline"))
         self._opening[req] = opening
         try:
             self.conn.send(message("open", **fields))
@@ -416,7 +439,7 @@ class SenderClient(_LocalClient):
                 self.conn.send(message("abort", req=req))  # nobody waits for it
                 return
             push = OutgoingPush(self, req, opening.shape, msg["offset"], msg["chunk_bytes"],
-                                opening.started, msg["peer"])
+                                opening.started, msg["peer"], msg["lease"], opening.deadline)
             self._pushes[req] = push
             opening.future.set_result(push)
             return
@@ -438,17 +461,75 @@ class SenderClient(_LocalClient):
         # it once this connection is gone.
         for push in self._pushes.values():
             push._retire(tell_daemon=False)
+        if self._asking is not None:
+            self._asking.cancel()  # their own waits still end them, typed
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._asking
         await super().close()
 
     def _fail_all(self, error: KvwireError) -> None:
         for opening in self._opening.values():
             if not opening.future.done():
                 opening.future.set_exception(error)
+        # A push with every layer committed may have been delivered before the
+        # daemon went: its successor asks the receiver, rather than this client
+        # guessing and splitting the outcome with the decode engine.
+        asking = [push for push in self._pushes.values() if push.fully_committed]
         for push in self._pushes.values():
-            push._failed(error)
+            if not push.fully_committed:
+                push._failed(error)
         self._pushes.clear()
         for run in self._runs.values():
             run.fail(error)
+        if asking:
+            self._asking = asyncio.ensure_future(self._ask_successor(asking, error))
+
+    async def _ask_successor(self, pushes: list[OutgoingPush], error: KvwireError) -> None:
+        """Reach the restarted daemon at the same socket and ask how each push
+        ended; one not answered within its ``verdict_wait`` fails with ``error``."""
+        loop = asyncio.get_running_loop()
+        waiting = {push.req: push for push in pushes}
+        answered = asyncio.Event()
+
+        def give_up(push: OutgoingPush) -> None:
+            if waiting.pop(push.req, None) is not None:
+                push._failed(error)
+            if not waiting:
+                answered.set()
+
+        def route(msg: Message) -> None:
+            push = waiting.pop(msg.get("req", ""), None)
+            if push is None:
+                return
+            if msg["t"] == "finished":
+                push._finished(msg)
+            elif msg["t"] == "failed":
+                push._failed(from_wire(msg["error"]))
+            if not waiting:
+                answered.set()
+
+        for push in pushes:
+            push._retire(tell_daemon=False)  # the daemon that shared that staging is gone
+            loop.call_later(push.verdict_wait(), give_up, push)
+        while waiting:
+            conn = _Connection(self.conn.path, "prefill", SENDER_LOCAL, route,
+                               lambda _: answered.set())
+            try:
+                await conn.open(map_pool=False)
+            except (KvwireError, OSError):
+                # Not back yet: systemd restarts it; try again shortly.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(answered.wait(), RECONNECT_EVERY)
+                continue
+            try:
+                for push in waiting.values():
+                    conn.send(message("ask", req=push.req, peer=push.peer, lease=push.lease))
+                await answered.wait()
+            except KvwireError:
+                pass  # it went away again: the loop reconnects
+            finally:
+                answered.clear()
+                await conn.close()
 
 
 class ReceiverClient(_LocalClient):

@@ -33,7 +33,7 @@ from .errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 # An engine's ``peer`` that lets the sender choose (discovery: the connected
 # receiver with the most free pool). No receiver may be named so.
 AUTO_PEER = "auto"
@@ -141,6 +141,9 @@ ERROR = _f(dict, check=_error, expected="{code, message[, hint, status]} strings
 NAMES = _f(list, check=_names, expected="a list of names")
 SECONDS = _f(float, int, required=False, check=_seconds,
              expected=f"seconds, finite, in (0, {MAX_SECONDS:g}]")
+VERDICTS = ("delivered", "aborted", "unknown")
+OUTCOME = _f(str, check=lambda v: None if v in VERDICTS else f"{v!r} is not a verdict",
+             expected=" or ".join(VERDICTS))
 
 Schema = Mapping[str, Mapping[str, Field]]
 
@@ -161,6 +164,18 @@ CONTROL: Schema = {
     "abort": {"req": REQ, "lease": LEASE, "error": ERROR},
     "abort_ack": {"req": REQ, "lease": LEASE},
     "delivered": {"req": REQ, "lease": LEASE, "checksum": CHECKSUM},
+    # A request the sender gave up before asking for a lease (its staging
+    # full, its deadline): the receiver tells the decode engines waiting for it.
+    "withdrawn": {"req": REQ, "error": ERROR},
+    # A sender that lost its connection after posting a lease's last layer
+    # asks how it ended (kvwired.verdicts); the receiver waits for a lease
+    # still being decided, and says "unknown" for one it never held or forgot.
+    "ask": {"req": REQ, "lease": LEASE},
+    "verdict": {"req": REQ, "lease": LEASE, "outcome": OUTCOME,
+                "checksum": _f(int, required=False, check=_int_range(0, U64),
+                               expected="an unsigned 64-bit checksum"),
+                "error": _f(dict, required=False, check=_error,
+                            expected="{code, message[, hint, status]} strings")},
     # Credits of one data channel's receives (the first one's when absent).
     "credits": {"n": CREDITS, "channel": CHANNEL},
     # Echo mode (kvctl run chunk-sweep): the receiver leases a slot and opens a
@@ -186,7 +201,8 @@ CONTROL: Schema = {
 }
 
 # What a receiver sends in answer to a sender's request (matched by ``req``).
-CONTROL_ANSWERS = frozenset({"lease", "refused", "echo_offer", "echo_ready", "baseline_ready"})
+CONTROL_ANSWERS = frozenset({"lease", "refused", "verdict", "echo_offer", "echo_ready",
+                             "baseline_ready"})
 
 # Prefill engine <-> sender daemon, over the sender's unix socket.
 SENDER_LOCAL: Schema = {
@@ -201,14 +217,18 @@ SENDER_LOCAL: Schema = {
         "deadline": SECONDS,
         "discard": FLAG,
     },
-    # ``peer``: the receiver the push goes to (the one chosen, for "auto").
-    "opened": {"req": REQ, "peer": STR, "offset": INT, "chunk_bytes": INT},
+    # ``peer``: the receiver the push goes to (the one chosen, for "auto");
+    # ``lease``: the receiver's lease, by which an engine can ask later.
+    "opened": {"req": REQ, "peer": STR, "offset": INT, "chunk_bytes": INT, "lease": LEASE},
     "commit": {"req": REQ, "layer": LAYER},
     # Layers up to ``layer`` are placed in the receiver's memory: their
     # staging may be reused.
     "sent": {"req": REQ, "layer": LAYER},
     "finished": {"req": REQ, "checksum": CHECKSUM, "timings": DICT},
     "abort": {"req": REQ},
+    # An engine whose daemon went away after it committed every layer asks the
+    # restarted daemon how the request ended: ``finished`` or ``failed`` answers.
+    "ask": {"req": REQ, "peer": STR, "lease": LEASE},
     "failed": {"req": REQ, "error": ERROR},
     # After finished/failed: the engine holds no view of the request's
     # staging any more, so the daemon may reuse it.

@@ -35,6 +35,7 @@ from .errors import (
     RequestRefused,
     RequestTooLarge,
     UsageError,
+    from_wire,
 )
 from .gate import Gate
 from .layout import RequestShape
@@ -47,6 +48,7 @@ from .tasks import spawn
 from .transport import Transport, TransportOptions, make_transport
 from .transport.base import Responder
 from .units import format_size
+from .verdicts import Verdict, VerdictBook
 
 log = structlog.get_logger("kvwired.receiver")
 
@@ -97,6 +99,8 @@ class Lease:
     holders: set[Consumer] = field(default_factory=set)
     claimed: bool = False
     error: KvwireError | None = None  # why it was aborted, for subscribers
+    # Senders asking how it ended (``ask``), woken once it is decided.
+    deciding: list[asyncio.Future[None]] = field(default_factory=list)
 
     @property
     def state(self) -> LeaseState:
@@ -191,6 +195,8 @@ class ReceiverDaemon(Daemon):
         self.subscribers: dict[str, set[Consumer]] = {}
         self.sessions: set[SenderSession] = set()
         self._lease_ids: set[int] = set()  # the request path's and the services'
+        # How leases ended, for senders that lost the answer (kvwired.verdicts).
+        self.verdicts = VerdictBook()
         # Layers are hashed here as they land: XXH3 releases the GIL, so the
         # loop keeps receiving meanwhile. Two threads, so that a request
         # whose layers all land at once (one write) is hashed in half the time.
@@ -470,6 +476,10 @@ class ReceiverDaemon(Daemon):
                 self._lease_event(lease, LeaseEvent.SENDER_ABORT)
             else:
                 self._lease_event(lease, LeaseEvent.SENDER_ACK)
+        elif kind == "ask":
+            spawn(self._answer_ask(session, msg["req"], msg["lease"]), f"ask-{msg['req']}")
+        elif kind == "withdrawn":
+            self._withdrawn(session, msg["req"], from_wire(msg["error"]))
         elif kind in self._routes:
             self._routes[kind].handle(session, msg)
         elif kind == "bye":
@@ -667,12 +677,63 @@ class ReceiverDaemon(Daemon):
     def _lease_event(self, lease: Lease, event: LeaseEvent) -> None:
         """Move ``lease``'s machine and carry out what it says."""
         before = lease.state
+        undecided = lease.machine.outcome is Outcome.PENDING
         for action in lease.machine.apply(event):
             self._carry_out(lease, action)
+        if undecided and lease.machine.outcome is not Outcome.PENDING:
+            self._decided(lease)
         if lease.state is LeaseState.FREED and before is not LeaseState.FREED:
             outcome = lease.machine.outcome
             if outcome is Outcome.ABORTED and before is not LeaseState.ABORTING:
                 self.metrics.requests.labels(lease.session.label, "failed").inc()
+
+    def _decided(self, lease: Lease) -> None:
+        """The lease's outcome is committed: kept for a sender that asks later."""
+        delivered = lease.machine.outcome is Outcome.DELIVERED
+        error = None if delivered else (
+            lease.error or RequestAborted(f"request {lease.req} was aborted"))
+        self.verdicts.record(lease.session.name, lease.req,
+                             Verdict(lease.id, delivered, lease.checksum, error),
+                             asyncio.get_running_loop().time())
+        waiting, lease.deciding = lease.deciding, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _answer_ask(self, session: SenderSession, req: str, lease_id: int) -> None:
+        """Tell a sender how its lease ended; one still being decided (its old
+        connection not yet seen gone, its checksum still being computed) is
+        answered once it is, within delivery_timeout on the sender's side."""
+        loop = asyncio.get_running_loop()
+        lease = self.leases.get(lease_id)
+        if (lease is not None and lease.req == req and lease.session.name == session.name
+                and lease.machine.outcome is Outcome.PENDING):
+            decided = loop.create_future()
+            lease.deciding.append(decided)
+            await decided
+        verdict = self.verdicts.lookup(session.name, req, lease_id, loop.time())
+        log.info("sender asked how a request ended", req=req, sender=session.name,
+                 verdict="unknown" if verdict is None else
+                 "delivered" if verdict.delivered else "aborted")
+        if not session.alive:
+            return
+        if verdict is None:
+            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="unknown"))
+        elif verdict.delivered:
+            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="delivered",
+                                      checksum=verdict.checksum))
+        else:
+            assert verdict.error is not None
+            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="aborted",
+                                      error=verdict.error.to_wire()))
+
+    def _withdrawn(self, session: SenderSession, req: str, error: KvwireError) -> None:
+        """A request the sender gave up before leasing it: its engines hear why."""
+        if req in self.by_req:
+            return  # a request of that id is held here: not the one withdrawn
+        log.info("sender withdrew a request before leasing it", req=req,
+                 sender=session.name, reason=error.message)
+        self._tell_refused(req, error)
 
     def _carry_out(self, lease: Lease, action: LeaseAction) -> None:
         session = lease.session

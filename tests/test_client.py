@@ -42,7 +42,8 @@ async def test_a_failure_right_behind_opened_reaches_finish() -> None:
     client, _ = _client()
     opening = await _opening(client, deadline=0.001)
     # Both arrive in one read, before open() resumes.
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
+                          lease=1))
     client._route(message("failed", req="r", error=DeadlineExceeded("late").to_wire()))
     push = await opening
     with pytest.raises(DeadlineExceeded):
@@ -60,7 +61,8 @@ async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
     opening.cancel()
     with pytest.raises(asyncio.CancelledError):
         await opening
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
+                          lease=1))
     assert sent[-1] == message("abort", req="r")
     assert not client._pushes
 
@@ -68,7 +70,8 @@ async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
 async def test_opened_in_the_turn_the_caller_gives_up_is_aborted() -> None:
     client, sent = _client()
     opening = await _opening(client)
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096))
+    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
+                          lease=1))
     opening.cancel()  # the answer is there, but the caller never sees it
     with pytest.raises(asyncio.CancelledError):
         await opening

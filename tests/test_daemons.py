@@ -211,14 +211,20 @@ async def test_release_before_delivery_aborts_the_push_with_the_reason(
     await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
 
 
-async def test_full_staging_pool_waits_then_says_so(tmp_path: Path) -> None:
+async def test_full_staging_pool_waits_then_says_so_at_both_ends(tmp_path: Path) -> None:
     daemons = await start_local(tmp_path, sender={"staging_size": "8MiB", "staging_wait": 0.3})
     try:
-        async with await SenderClient.connect(daemons.sender_socket) as client:
+        async with await SenderClient.connect(daemons.sender_socket) as client, \
+                await ReceiverClient.connect(daemons.receiver_socket) as decode:
             held = await client.open("held", "decode", RequestShape(6, 1 << 20))
+            decode.subscribe("blocked")
             with pytest.raises(PoolFull, match="staging pool full") as info:
                 await client.open("blocked", "decode", RequestShape(6, 1 << 20))
             assert "staging_size" in info.value.hint
+            # The receiver never leased it, yet the decode engine waiting for it
+            # hears the same error at once (withdrawn), not at its own timeout.
+            with pytest.raises(PoolFull, match="staging pool full"):
+                await decode.wait_delivered("blocked", timeout=5)
             held.abort()
             with pytest.raises(RequestAborted):
                 await asyncio.wait_for(held._result, 5)

@@ -83,6 +83,13 @@ def test_a_hang_spoils_the_scenario() -> None:
     assert not _account({}, hung=True).clean
 
 
+def test_a_decode_engine_left_untold_spoils_the_scenario() -> None:
+    result = _account({"prefill": {"e": "failed", "class": "PoolFull", "typed": True,
+                                   "message": "staging pool full", "at": 1.0},
+                       "decode": {"e": "not-told", "at": 11.0}})
+    assert result.not_told == 1 and not result.clean
+
+
 @given(st.binary(min_size=1, max_size=256), st.data())
 def test_corrupt_bytes_counts_exactly_the_bytes_that_differ(sent: bytes,
                                                            data: st.DataObject) -> None:

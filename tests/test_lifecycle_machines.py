@@ -172,6 +172,7 @@ class BothEnds(RuleBasedStateMachine):
         self.outstanding = False  # a post whose completion has not come back
         self.landed = False  # the receiver saw the last immediate
         self.lost = False
+        self.unanswered = False  # the sender asked for the verdict and had none
         self.engine_released = False
         self.freed = 0
         self.released = 0
@@ -268,9 +269,23 @@ class BothEnds(RuleBasedStateMachine):
         self.to_sender.clear()
         self.outstanding = False  # the channel is torn down: no write is left
         if not self.push.ended:
-            self._push(PushEvent.LINK_LOST)
+            # Once the last layer is posted the receiver may have it all.
+            self._push(PushEvent.LINK_LOST_UNDECIDED if self.posted else PushEvent.LINK_LOST)
         if self.lease.state is not LeaseState.FREED:
             self._lease(LeaseEvent.SESSION_LOST)
+
+    @precondition(lambda self: self.push.state is PushState.ASKING
+                  and self.lease.outcome is not Outcome.PENDING)
+    @rule()
+    def sender_reconnects_and_hears_the_verdict(self) -> None:
+        self._push(PushEvent.DELIVERED if self.lease.outcome is Outcome.DELIVERED
+                   else PushEvent.RECEIVER_ABORT)
+
+    @precondition(lambda self: self.push.state is PushState.ASKING)
+    @rule()
+    def the_receiver_stays_out_of_reach(self) -> None:
+        self.unanswered = True
+        self._push(PushEvent.VERDICT_UNKNOWN)
 
     @precondition(lambda self: self.push.ended)
     @rule()
@@ -279,8 +294,8 @@ class BothEnds(RuleBasedStateMachine):
 
     # -- what must hold
     @invariant()
-    def while_connected_the_ends_never_disagree(self) -> None:
-        if self.lost or not self.push.ended or self.lease.outcome is Outcome.PENDING:
+    def the_ends_never_disagree_unless_the_verdict_was_out_of_reach(self) -> None:
+        if self.unanswered or not self.push.ended or self.lease.outcome is Outcome.PENDING:
             return
         delivered_here = self.push.state is PushState.DELIVERED or (
             self.sender_reports == [PushAction.REPORT_FINISHED])
@@ -311,10 +326,12 @@ class BothEnds(RuleBasedStateMachine):
                 self.last_immediate_lands()
             elif self.lease.state is LeaseState.LANDED:
                 self.checksum_done()
+            elif self.push.state is PushState.ASKING:
+                self.sender_reconnects_and_hears_the_verdict()
             else:
                 break
         assert self.push.ended, self.push.state
-        if not self.lost:
+        if not self.unanswered:
             assert self.lease.outcome is not Outcome.PENDING
             finished = self.sender_reports == [PushAction.REPORT_FINISHED]
             assert finished == (self.lease.outcome is Outcome.DELIVERED)

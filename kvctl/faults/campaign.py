@@ -55,7 +55,7 @@ class ScenarioResult:
     hangs: int = 0
     untyped_errors: int = 0
     split_outcomes: int = 0
-    not_told: int = 0  # decode engines no daemon could tell (refused inside the sender)
+    not_told: int = 0  # decode engines never told their request failed before a lease
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
     not_run: str | None = None  # why, when the deployment cannot inject this fault
@@ -64,7 +64,7 @@ class ScenarioResult:
     @property
     def clean(self) -> bool:
         return not (self.corrupt_bytes or self.leaked_bytes or self.hangs
-                    or self.untyped_errors or self.split_outcomes)
+                    or self.untyped_errors or self.split_outcomes or self.not_told)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -173,9 +173,9 @@ class Campaign:
         hung = False
         last = time.monotonic()
         gate_open = opened = False
-        # A push that fails inside the sender before the receiver heard of it
-        # (its staging full, say) cannot reach the decode engine: a scheduler
-        # would tell it. It gets a grace, then counts as "not told".
+        # A push that fails inside the sender before its lease (its staging
+        # full, say) is withdrawn at the receiver, which tells the decode
+        # engine. If that does not arrive within a grace, it counts as "not told".
         not_told_after: float | None = None
         try:
             while len(endings) < len(engines):

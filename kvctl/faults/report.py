@@ -49,7 +49,7 @@ def render(results: list[ScenarioResult]) -> str:
         lines.append(f"errors slower than {ERROR_BAR_SECONDS:g} s: {', '.join(slow)}")
     bad = [r.name for r in results if not r.clean]
     lines.append("every scenario clean: 0 corrupt bytes, 0 leaks, 0 hangs, 0 untyped errors, "
-                 "0 split outcomes" if not bad else
+                 "0 split outcomes, 0 decode engines left untold" if not bad else
                  f"NOT CLEAN: {', '.join(bad)} (see the notes in faults.json)")
     return "\n".join(lines)
 

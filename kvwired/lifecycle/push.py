@@ -11,7 +11,11 @@ the receiver decided:
 - the receiver's own ``abort`` (its engine released the request early) is
   final: the sender drains its writes, answers ``abort_ack`` and fails.
 - a lost connection fails the push; the receiver frees every lease of a
-  lost sender that it had not delivered.
+  lost sender that it had not delivered. But once the last layer was
+  posted, the receiver may have had every byte and delivered, its
+  ``delivered`` lost with the connection: the sender then asks it on a new
+  connection (``ASKING``) and reports what it says, so both engines hear
+  the same outcome (kvwired.verdicts).
 
 Staging bytes are held until the outcome is known *and* the engine has let
 go of its views of them (``VIEWS_DROPPED``): a write through a stale view
@@ -33,6 +37,7 @@ class PushState(Enum):
     AWAITING_VERDICT = auto()  # our abort sent: delivered or abort_ack decides
     DRAINING_FOR_ACK = auto()  # the receiver aborted: our abort_ack after the drain
     DELIVERED_DRAINING = auto()  # delivered, a post's completion still on its way
+    ASKING = auto()  # the link went down after the last post: asking the receiver's verdict
     DELIVERED = auto()  # outcome: delivered; staging held until the views are dropped
     FAILED = auto()  # outcome: failed; staging held until the views are dropped
     RETIRED = auto()  # staging back in the pool
@@ -48,11 +53,14 @@ class PushEvent(Enum):
     POSTS_DONE = auto()  # no posted write of this push is outstanding any more
     ABORT_ACKED = auto()  # the receiver's abort_ack
     LINK_LOST = auto()  # the control or data connection is gone
+    # The same, after the last layer was posted: the receiver may have delivered.
+    LINK_LOST_UNDECIDED = auto()
+    VERDICT_UNKNOWN = auto()  # asked, and no verdict could be had within the bound
     VIEWS_DROPPED = auto()  # the engine let go of its staging views
 
 
 PushAction = Enum("PushAction", "STOP_POSTING SEND_ABORT SEND_ABORT_ACK REPORT_FINISHED "
-                  "REPORT_FAILED RELEASE_STAGING")
+                  "REPORT_FAILED RELEASE_STAGING ASK_VERDICT")
 
 
 S, E, A = PushState, PushEvent, PushAction
@@ -62,6 +70,7 @@ _RECEIVER_ABORTED = Transition(S.DRAINING_FOR_ACK, (A.STOP_POSTING,))
 _LOST = Transition(S.FAILED, (A.STOP_POSTING, A.REPORT_FAILED))
 _FINISHED = Transition(S.DELIVERED, (A.REPORT_FINISHED,))
 _RETIRE = Transition(S.RETIRED, (A.RELEASE_STAGING,))
+_ASK = Transition(S.ASKING, (A.STOP_POSTING, A.ASK_VERDICT))
 
 PUSH_TABLE: dict[tuple[PushState, PushEvent], Transition[PushState, PushAction]] = {
     (S.OPENING, E.GRANTED): Transition(S.STREAMING),
@@ -98,6 +107,20 @@ PUSH_TABLE: dict[tuple[PushState, PushEvent], Transition[PushState, PushAction]]
     # Every byte was placed and the receiver said so: the link going down
     # after that changes nothing.
     (S.DELIVERED_DRAINING, E.LINK_LOST): _FINISHED,
+    (S.OPENING, E.LINK_LOST_UNDECIDED): Transition(S.FAILED, (A.REPORT_FAILED,)),
+    (S.STREAMING, E.LINK_LOST_UNDECIDED): _ASK,
+    (S.CONFIRMING, E.LINK_LOST_UNDECIDED): _ASK,
+    (S.DRAINING, E.LINK_LOST_UNDECIDED): _ASK,
+    (S.AWAITING_VERDICT, E.LINK_LOST_UNDECIDED): _ASK,
+    # The receiver aborted, or delivered: nothing is left to ask.
+    (S.DRAINING_FOR_ACK, E.LINK_LOST_UNDECIDED): _LOST,
+    (S.DELIVERED_DRAINING, E.LINK_LOST_UNDECIDED): _FINISHED,
+    # The receiver's verdict, on a new connection; a deadline cannot change
+    # what it decided, so an abort asked for meanwhile waits for it too.
+    (S.ASKING, E.DELIVERED): _FINISHED,
+    (S.ASKING, E.RECEIVER_ABORT): Transition(S.FAILED, (A.REPORT_FAILED,)),
+    (S.ASKING, E.VERDICT_UNKNOWN): Transition(S.FAILED, (A.REPORT_FAILED,)),
+    (S.ASKING, E.ABORT_REQUESTED): Transition(S.ASKING),
     (S.DELIVERED, E.VIEWS_DROPPED): _RETIRE,
     (S.FAILED, E.VIEWS_DROPPED): _RETIRE,
 }

@@ -254,6 +254,22 @@ class SenderDaemon(Daemon):
             push.commit(layer)
         return (await push.outcome).timings
 
+    async def ask_verdict(self, req: str, peer: str, lease: int) -> Message | None:
+        """Receiver ``peer``'s verdict on a lease of ours, within delivery_timeout:
+        a daemon just restarted may not know the peer yet (the registry's), so
+        an unknown one is looked for again until then."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.config.delivery_timeout
+        while True:
+            try:
+                link = self.link(peer)
+                break
+            except UnknownPeer:
+                if loop.time() >= until:
+                    raise
+                await asyncio.sleep(min(1.0, self.config.heartbeat))
+        return await link.verdict(req, lease, max(0.0, until - loop.time()))
+
     def reserve_staging(self, length: int) -> Awaitable[Slot]:
         return self.staging.reserve(length, self.config.staging_wait)
 
@@ -269,7 +285,8 @@ class SenderDaemon(Daemon):
             if not writer.is_closing():
                 writer.write(encode(msg))
 
-        session = EngineSession(send, self._open_for_engine, self._run_experiment)
+        session = EngineSession(send, self._open_for_engine, self._run_experiment,
+                                self.ask_verdict)
         welcome = message("welcome", name=self.config.name, pool_size=self.staging.size,
                           peers=sorted(self.links))
         try:

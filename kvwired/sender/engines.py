@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from ..errors import (
+    DaemonUnavailable,
     DuplicateRequest,
     KvwireError,
     ProtocolError,
@@ -28,6 +29,8 @@ from .push import Delivery, Push
 log = structlog.get_logger("kvwired.sender")
 
 OpenPush = Callable[[Message], Awaitable[Push]]
+# (request, receiver, lease) -> the receiver's verdict, None if it could not be asked.
+AskVerdict = Callable[[str, str, int], Awaitable[Message | None]]
 RunExperiment = Callable[[str, str, dict[str, Any], Callable[[Message], None]],
                          Coroutine[Any, Any, None]]
 
@@ -36,10 +39,11 @@ class EngineSession:
     """What one connected engine has open, and the messages it is owed."""
 
     def __init__(self, send: Callable[[Message], None], open_push: OpenPush,
-                 run_experiment: RunExperiment) -> None:
+                 run_experiment: RunExperiment, ask_verdict: AskVerdict) -> None:
         self._send = send
         self._open_push = open_push
         self._run_experiment = run_experiment
+        self._ask_verdict = ask_verdict
         self.pushes: dict[str, Push] = {}  # open: commits and aborts go to them
         # Ended, their staging held until the engine says it dropped its views.
         self.viewed: dict[str, Push] = {}
@@ -57,6 +61,8 @@ class EngineSession:
             spawn(self._open(msg), f"open-{req}")
         elif kind == "run":
             self._run(msg)
+        elif kind == "ask":
+            spawn(self._ask(req, msg["peer"], msg["lease"]), f"ask-{req}")
         elif kind == "dropped":
             if (ended := self.viewed.pop(req, None)) is not None:
                 ended.drop_views()
@@ -87,7 +93,8 @@ class EngineSession:
         self.pushes[req] = push
         push.on_sent = lambda layer: self.send(message("sent", req=req, layer=layer))
         self.send(message("opened", req=req, peer=push.link.name,
-                          offset=push.staging.offset, chunk_bytes=push.chunk_bytes))
+                          offset=push.staging.offset, chunk_bytes=push.chunk_bytes,
+                          lease=push.lease))
         push.outcome.add_done_callback(lambda outcome: self._ended(push, outcome))
 
     def _ended(self, push: Push, outcome: asyncio.Future[Delivery]) -> None:
@@ -105,6 +112,27 @@ class EngineSession:
             if not isinstance(error, KvwireError):
                 error = internal_error(error, "sender daemon")
             self.send(message("failed", req=push.req, error=error.to_wire()))
+
+    async def _ask(self, req: str, peer: str, lease: int) -> None:
+        """A request of a daemon before this one (it died or was restarted after
+        the engine committed every layer): the receiver's verdict, as its
+        ``finished`` or ``failed``, so the engine never guesses."""
+        try:
+            verdict = await self._ask_verdict(req, peer, lease)
+        except KvwireError as exc:
+            self.send(message("failed", req=req, error=exc.to_wire()))
+            return
+        if verdict is not None and verdict["outcome"] == "delivered":
+            self.send(message("finished", req=req, checksum=verdict["checksum"],
+                              timings={"late": 0.0, "asked_after_restart": 1.0}))
+        elif verdict is not None and verdict["outcome"] == "aborted":
+            self.send(message("failed", req=req, error=verdict["error"]))
+        else:
+            self.send(message("failed", req=req, error=DaemonUnavailable(
+                f"the sender daemon stopped while request {req} was in flight, and "
+                f"receiver {peer} " + ("has no record of it: it was not delivered"
+                                       if verdict is not None else "could not be asked"),
+                hint="push it again").to_wire()))
 
     def _run(self, msg: Message) -> None:
         req = msg["req"]

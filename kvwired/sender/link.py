@@ -12,6 +12,7 @@ holders register themselves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 import time
 from collections.abc import Callable
@@ -38,6 +39,7 @@ from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
 from ..protocol import CONTROL_ANSWERS, Message, message
 from ..rails import RailHealth
+from ..tasks import spawn
 from ..transport.base import DataChannel, Transport, Write
 from ..trust import Trust
 
@@ -484,6 +486,43 @@ class PeerLink:
                                        error=RequestAborted(
                                            f"the sender stopped waiting for request "
                                            f"{lease['req']}").to_wire()))
+
+    async def verdict(self, req: str, lease: int, within: float) -> Message | None:
+        """How the receiver says lease ``lease`` of ``req`` ended (its ``verdict``),
+        reconnecting as needed, within ``within`` seconds; None if it could not
+        be asked (out of reach, or this link retired meanwhile)."""
+        try:
+            async with asyncio.timeout(within):
+                while True:
+                    try:
+                        await self.ensure()
+                        return await self.request(message("ask", req=req, lease=lease))
+                    except KvwireError as exc:
+                        if not self.machine.usable:
+                            raise  # retired: removed, or the sender is stopping
+                        log.debug("verdict not had yet", req=req, peer=self.name,
+                                  error=str(exc))
+                        # Reconnection backoff, as keep_connected's.
+                        await asyncio.sleep(min(1.0, self.config.heartbeat))
+        except (TimeoutError, KvwireError) as exc:
+            log.warning("no verdict from the receiver", req=req, peer=self.name,
+                        error=str(exc) or "timed out", waited=within)
+            return None
+
+    def withdraw(self, req: str, error: KvwireError) -> None:
+        """Tell the receiver ``req`` will not come (refused here before its lease
+        was asked for), so that a decode engine waiting for it fails now with
+        ``error``. Best effort: a receiver out of reach has nobody to tell."""
+        notice = message("withdrawn", req=req, error=error.to_wire())
+        if self.connected:
+            self.send(notice)
+            return
+
+        async def when_connected() -> None:
+            with contextlib.suppress(KvwireError, TimeoutError):
+                await asyncio.wait_for(self.ensure(), self.config.connect_timeout)
+                self.send(notice)
+        spawn(when_connected(), f"withdraw-{req}")
 
     def credit_back(self) -> None:
         """An echo's answer: a credit of the first channel, which pings use."""

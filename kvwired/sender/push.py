@@ -31,6 +31,7 @@ from ..errors import (
     RequestAborted,
     TransportError,
     UsageError,
+    from_wire,
     internal_error,
 )
 from ..layout import ChunkCursor, RequestShape
@@ -76,6 +77,9 @@ class Push:
     first_commit_at: float = 0.0
     last_commit_at: float = 0.0
     writes: int = 0
+    # The last layer's writes are posted: from here on the receiver may have
+    # every byte, so a lost link leaves the outcome to be asked (ASKING).
+    last_posted: bool = False
     task: asyncio.Task[None] | None = None  # the posting loop
     views_dropped: bool = False  # whoever opened it holds no view of its staging
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
@@ -121,7 +125,11 @@ class Push:
         if self.machine.ended:
             return
         self.error = error if by_receiver or self.error is None else self.error
-        self.event(PushEvent.RECEIVER_ABORT if by_receiver else PushEvent.LINK_LOST)
+        if by_receiver:
+            self.event(PushEvent.RECEIVER_ABORT)
+        else:
+            self.event(PushEvent.LINK_LOST_UNDECIDED if self.last_posted
+                       else PushEvent.LINK_LOST)
 
     def abort_acked(self) -> None:
         if not self.machine.ended:
@@ -159,13 +167,20 @@ class PushDriver:
         deadline is given back by the link.
         """
         opened_at = time.monotonic()
+        self._check(req, shape, chunk_bytes)
+        staging: Slot | None = None
         try:
             async with asyncio.timeout(deadline):
-                push = await self._reserve(req, link, shape, chunk_bytes, discard, opened_at)
+                staging = await self._reserve_staging(req, link, shape)
+                push = await self._lease(req, link, shape, chunk_bytes, discard, opened_at,
+                                         staging)
         except TimeoutError:
-            raise DeadlineExceeded(
+            error = DeadlineExceeded(
                 f"request {req} could not be opened within its {deadline:g} s deadline",
-                hint="raise the deadline, or check the receiver's pool and the link") from None
+                hint="raise the deadline, or check the receiver's pool and the link")
+            if staging is None:
+                link.withdraw(req, error)
+            raise error from None
         self.pushes[req] = push
         self.holding.add(push)
         link.attach(push.lease, push)
@@ -179,8 +194,7 @@ class PushDriver:
         push.task = spawn(self._post(push), f"push-{req}")
         return push
 
-    async def _reserve(self, req: str, link: PeerLink, shape: RequestShape, chunk_bytes: int,
-                       discard: bool, opened_at: float) -> Push:
+    def _check(self, req: str, shape: RequestShape, chunk_bytes: int) -> None:
         if req in self.pushes:
             raise DuplicateRequest(f"request {req} is already being pushed",
                                    hint="request ids must be unique among pushes in flight")
@@ -189,8 +203,21 @@ class PushDriver:
                              f"{immediate.MAX_LAYERS} are supported")
         if chunk_bytes < 1:
             raise UsageError(f"chunk size {chunk_bytes} B is not positive")
-        staging = await self.staging.reserve(shape.total_bytes, self.config.staging_wait)
+
+    async def _reserve_staging(self, req: str, link: PeerLink, shape: RequestShape) -> Slot:
+        """Staging for ``req``. A request refused here never reaches the receiver,
+        so the receiver is told (``withdrawn``): its decode engine fails now,
+        with the same error, rather than at its own timeout."""
+        try:
+            staging = await self.staging.reserve(shape.total_bytes, self.config.staging_wait)
+        except KvwireError as exc:
+            link.withdraw(req, exc)
+            raise
         self.update_pool_metrics()
+        return staging
+
+    async def _lease(self, req: str, link: PeerLink, shape: RequestShape, chunk_bytes: int,
+                     discard: bool, opened_at: float, staging: Slot) -> Push:
         try:
             await link.ensure()
             lease = await link.open(req, shape, discard)
@@ -258,6 +285,7 @@ class PushDriver:
                 # committed one is cut into writes.
                 await asyncio.sleep(0)
             push.last_commit_at = time.monotonic()
+            push.last_posted = True
             # asyncio.wait, not gather: an abort cancels this task, and a
             # cancelled gather cancels the posts it waits for, which would
             # let the drain report them done while their writes are still on
@@ -294,8 +322,8 @@ class PushDriver:
             link.lost(error if isinstance(error, PeerLost) else PeerLost(
                 f"the data channel to receiver {link.name} failed: {error.message}",
                 hint=error.hint, status=error.status))
-        elif push.machine.can(PushEvent.LINK_LOST):
-            push.event(PushEvent.LINK_LOST)
+        else:
+            push.fail(error)
 
     def _bound_wait(self, push: Push, what: str) -> None:
         """A receiver that has every byte answers at once; one that stays
@@ -377,10 +405,43 @@ class PushDriver:
             self._finish(push)
         elif action is PushAction.REPORT_FAILED:
             self._fail(push)
+        elif action is PushAction.ASK_VERDICT:
+            # The push leaves the link's holders: the ask decides it now,
+            # whatever becomes of the connection it was posted on.
+            link.detach(push.lease)
+            spawn(self._ask_verdict(push), f"ask-{push.req}")
         elif action is PushAction.RELEASE_STAGING:
             self.holding.discard(push)
             self.staging.release(push.staging)
             self.update_pool_metrics()
+
+    async def _ask_verdict(self, push: Push) -> None:
+        """Reconnect and ask the receiver how the push ended (kvwired.verdicts).
+
+        Within the heartbeat's bound for a silent peer (``stall_bound``): a
+        receiver that cannot be reached for that long is gone, as the control
+        connection would have judged, and the push fails with the link's error.
+        """
+        link, lost = push.link, push.error
+        answer = await link.verdict(push.req, push.lease, link.stall_bound)
+        if push.state is not PushState.ASKING:
+            return
+        outcome = "unknown" if answer is None else answer["outcome"]
+        log.info("receiver's verdict after a lost link", req=push.req, peer=link.name,
+                 verdict=outcome)
+        if answer is None or outcome == "unknown":
+            push.event(PushEvent.VERDICT_UNKNOWN)
+        elif outcome == "delivered":
+            if push.error is lost:
+                push.error = None  # the lost link did not stop it: not late
+            push.delivered(answer["checksum"])
+        else:
+            reason = from_wire(answer["error"])
+            # Aborted because the connection was lost: our own account of that
+            # loss (a stalled channel, a deadline) says more than the receiver's.
+            if isinstance(reason, PeerLost) and push.error is not None:
+                reason = push.error
+            push.fail(reason, by_receiver=True)
 
     def _ended(self, push: Push) -> None:
         for timer in push._timers:

@@ -1,0 +1,65 @@
+"""The receiver's memory of how requests ended, for senders that missed it.
+
+A sender that loses its connection after posting a request's last layer
+cannot tell whether the receiver delivered it: the ``delivered`` message may
+have been in flight, or lost with the connection (a sender stopped past the
+heartbeat finds its connection reset, unread frames and all). Guessing
+either way splits the outcome between the two engines. So the receiver
+keeps each request's verdict for a while, under the sender's name (certified
+by TLS where it is on), and a sender that reconnects asks for it.
+
+No I/O and no clock of its own: the caller says what time it is.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .errors import KvwireError
+
+VERDICT_TTL = 600.0  # seconds a verdict is kept: far past any reconnect and deadline
+MAX_VERDICTS = 65536  # at most this many are kept; the oldest go first
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one lease ended: delivered (with its checksum) or aborted (with why)."""
+
+    lease: int
+    delivered: bool
+    checksum: int = 0
+    error: KvwireError | None = None
+
+
+class VerdictBook:
+    """Verdicts by (sender, request), kept ``ttl`` seconds, at most ``limit``."""
+
+    def __init__(self, ttl: float = VERDICT_TTL, limit: int = MAX_VERDICTS) -> None:
+        self.ttl, self.limit = ttl, limit
+        self._kept: OrderedDict[tuple[str, str], tuple[float, Verdict]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def record(self, sender: str, req: str, verdict: Verdict, now: float) -> None:
+        key = (sender, req)
+        self._kept.pop(key, None)
+        self._kept[key] = (now, verdict)
+        self._expire(now)
+
+    def lookup(self, sender: str, req: str, lease: int, now: float) -> Verdict | None:
+        """The verdict on ``lease`` of ``sender``'s ``req``; None if not known (never
+        leased here, forgotten, or the request id was leased again since)."""
+        self._expire(now)
+        kept = self._kept.get((sender, req))
+        if kept is None or kept[1].lease != lease:
+            return None
+        return kept[1]
+
+    def _expire(self, now: float) -> None:
+        while self._kept:
+            key, (recorded, _) = next(iter(self._kept.items()))
+            if now - recorded <= self.ttl and len(self._kept) <= self.limit:
+                return
+            del self._kept[key]

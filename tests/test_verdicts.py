@@ -1,0 +1,47 @@
+"""The receiver's memory of verdicts (kvwired.verdicts): no I/O, no clock."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwired.errors import RequestAborted
+from kvwired.verdicts import Verdict, VerdictBook
+
+
+def test_a_verdict_is_found_by_sender_request_and_lease() -> None:
+    book = VerdictBook(ttl=10)
+    book.record("prefill-1", "r1", Verdict(7, True, checksum=42), now=0)
+    assert book.lookup("prefill-1", "r1", 7, now=1) == Verdict(7, True, checksum=42)
+    assert book.lookup("prefill-2", "r1", 7, now=1) is None  # another sender's request
+    assert book.lookup("prefill-1", "r1", 8, now=1) is None  # the id leased again since
+
+
+def test_an_abort_keeps_its_reason() -> None:
+    book = VerdictBook()
+    error = RequestAborted("the decode engine released request r1 early")
+    book.record("s", "r1", Verdict(3, False, error=error), now=0)
+    found = book.lookup("s", "r1", 3, now=0)
+    assert found is not None and not found.delivered and found.error is error
+
+
+def test_a_verdict_is_forgotten_after_its_ttl() -> None:
+    book = VerdictBook(ttl=10)
+    book.record("s", "r1", Verdict(1, True), now=0)
+    assert book.lookup("s", "r1", 1, now=10) is not None
+    assert book.lookup("s", "r1", 1, now=10.5) is None
+    assert len(book) == 0
+
+
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.text(min_size=1, max_size=3),
+                          st.integers(1, 5)), max_size=60),
+       st.integers(1, 8))
+def test_the_book_never_holds_more_than_its_limit_and_keeps_the_newest(
+        records: list[tuple[str, str, int]], limit: int) -> None:
+    book = VerdictBook(ttl=1000, limit=limit)
+    for now, (sender, req, lease) in enumerate(records):
+        book.record(sender, req, Verdict(lease, True), now=now)
+        assert len(book) <= limit
+        # The one just recorded is always there, whatever was evicted.
+        assert book.lookup(sender, req, lease, now=now) == Verdict(lease, True)
