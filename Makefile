@@ -27,9 +27,9 @@ lint: setup
 test: lint
 	$(BIN)/pytest -ra --durations=20
 
-# Unit tests only: no root, no namespaces.
+# Unit tests only: no root, no namespaces, no lab (the quick loop).
 unit: setup
-	$(BIN)/pytest -ra -m "not netns"
+	$(BIN)/pytest -ra -m "not netns and not lab"
 
 # A 48 MiB KV cache over RDMA between two QEMU nodes (Soft-RoCE), with TCP
 # and ib_write_bw on the same link for comparison.
