@@ -16,7 +16,7 @@ from kvwired.client import (
     SenderClient,
 )
 from kvwired.errors import KvwireError
-from kvwired.layout import DTYPE_BYTES, KVLayout
+from kvwired.layout import DTYPE_BYTES, KVLayout, RequestShape
 
 from . import table
 
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_flags(consume)
     consume.add_argument("--timeout", type=float, default=120.0,
                          help="seconds to wait for every request")
-    consume.add_argument("--keep", action="store_true", help="do not release")
+    consume.add_argument("--keep", action="store_true",
+                         help="check, but do not release: the receiver keeps the requests for "
+                         "a decode engine that subscribes within its unclaimed_ttl")
     consume.add_argument("--json", action="store_true", help="one JSON object per request")
 
     status = commands.add_parser("status", help="health and key figures of daemons")
@@ -183,13 +185,14 @@ async def _push(args: argparse.Namespace) -> int:
     else:
         layout = _layout(args)
         shape, data = layout.shape(), synthetic(layout, args.seed)
+    chunks = args.chunk or [None]
+    sizes = {chunk: _chunk(chunk, layout, shape) for chunk in chunks}  # refused before connecting
     sender = await SenderClient.connect(args.socket)
     receiver = (None if args.verify_socket is None
                 else await ReceiverClient.connect(args.verify_socket or None))
     records: list[PushRecord] = []
     run = uuid.uuid4().hex[:8]
     limit = asyncio.Semaphore(max(1, args.concurrency))
-    chunks = args.chunk or [None]
 
     def request_id(chunk: str | None, n: int) -> str:
         if args.req is None:
@@ -201,7 +204,7 @@ async def _push(args: argparse.Namespace) -> int:
     async def one(chunk: str | None, n: int) -> PushRecord:
         async with limit:
             return await push_one(sender, args.peer, request_id(chunk, n), shape, data,
-                                  chunk=_chunk(chunk, layout), receiver=receiver,
+                                  chunk=sizes[chunk], receiver=receiver,
                                   deadline=args.deadline)
 
     try:
@@ -245,12 +248,24 @@ async def _consume(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chunk(spec: str | None, layout: KVLayout | None) -> str | int | None:
-    if spec is None or layout is None:
-        return spec
+def _chunk(spec: str | None, layout: KVLayout | None,
+           shape: RequestShape | None = None) -> str | int | None:
+    """``--chunk`` in bytes, against the synthetic cache's layout, or against a
+    ``--file``'s shape (``layout`` None), which knows its layers but not its tokens."""
+    from kvwired.errors import UsageError
     from kvwired.layout import resolve_chunk_bytes
 
-    return resolve_chunk_bytes(spec, layout)
+    if spec is None:
+        return None
+    if layout is not None:
+        return resolve_chunk_bytes(spec, layout)
+    try:
+        return resolve_chunk_bytes(spec, shape)
+    except UsageError:
+        raise UsageError(
+            f"--chunk {spec} needs the cache's tokens, and a --file says only its layers "
+            "(its first axis)", hint="use --chunk per-layer or whole, or a size in bytes "
+            "(e.g. --chunk 512 for one token of one layer of the reference cache)") from None
 
 
 def _metrics(args: argparse.Namespace) -> int:

@@ -54,7 +54,9 @@ async def consume_one(client: ReceiverClient, req: str, expected: np.ndarray | N
             bytes_ok = raw.nbytes == delivered.length and view == raw.data
     finally:
         view.release()
-    if not keep:
+    if keep:
+        await client.unsubscribe(req)  # left for the decode engine that comes next
+    else:
         await client.release(req)
     return ConsumeRecord(req, delivered.length, delivered.layers,
                          first if first is not None else 0.0,

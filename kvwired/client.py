@@ -581,9 +581,18 @@ class ReceiverClient(_LocalClient):
 
     async def release(self, req: str) -> None:
         """Give the slot back; the data in it may be overwritten from now on."""
+        await self._let_go("release", req)
+
+    async def unsubscribe(self, req: str) -> None:
+        """Stop holding ``req`` without releasing it: the receiver keeps it for
+        another decode engine (reclaimed if none subscribes within its
+        ``unclaimed_ttl``). Leaving without either frees it at once."""
+        await self._let_go("unsubscribe", req)
+
+    async def _let_go(self, kind: str, req: str) -> None:
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._released[req] = future
-        self.conn.send(message("release", req=req))
+        self.conn.send(message(kind, req=req))
         try:
             await future
         finally:
@@ -593,7 +602,7 @@ class ReceiverClient(_LocalClient):
     def _route(self, msg: Message) -> None:
         req = msg["req"]
         kind = msg["t"]
-        if kind == "released":
+        if kind in ("released", "unsubscribed"):
             future = self._released.get(req)
             if future is not None and not future.done():
                 future.set_result(None)

@@ -11,6 +11,7 @@ once with the address, as what it is: a refusal, not a network failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,8 @@ from collections.abc import Awaitable, Callable
 import structlog
 from prometheus_client import Counter
 
+from .errors import AuthenticationFailed
+from .protocol import encode, error_message
 from .tasks import spawn
 
 log = structlog.get_logger("kvwired.gate")
@@ -70,6 +73,35 @@ def tls_refusal(error: ssl.SSLError) -> str:
 
 StreamHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
+TLS_HANDSHAKE_RECORD = 0x16  # the first byte of every TLS ClientHello
+
+# What a TLS port says to a connection that speaks plaintext kvwire: a sender
+# with auth = "none" would otherwise see only a closed connection, and the
+# cause only in this daemon's log.
+PLAINTEXT_REFUSAL = encode(error_message(AuthenticationFailed(
+    "this kvwire port takes mutual TLS (auth = \"tls\"), and the connection spoke "
+    "plaintext (a daemon with auth = \"none\"?)",
+    hint="give the sender auth = \"tls\" and tls_dir with credentials from `kvctl keys "
+         "issue`, or run both ends with auth = \"none\"")))
+
+
+async def first_byte(conn: socket.socket, timeout: float) -> int | None:
+    """The first byte the peer sent, left unread (MSG_PEEK); None if it closed
+    or sent nothing within ``timeout`` (TimeoutError)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+    loop.add_reader(conn.fileno(), ready)
+    try:
+        await asyncio.wait_for(readable, timeout)
+    finally:
+        loop.remove_reader(conn.fileno())
+    data = conn.recv(1, socket.MSG_PEEK)
+    return data[0] if data else None
+
 
 class Listener:
     """A listening TCP port whose connections pass a ``Gate`` (and TLS) first.
@@ -115,6 +147,12 @@ class Listener:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
         try:
+            if self._context is not None and self._plaintext(
+                    conn, await first_byte(conn, gate.timeout)):
+                gate.refuse(address, "not_tls", "the connection spoke plaintext, not TLS")
+                gate.settled()
+                conn.close()
+                return
             transport, protocol = await loop.connect_accepted_socket(
                 lambda: asyncio.StreamReaderProtocol(reader), conn, ssl=self._context,
                 ssl_handshake_timeout=gate.timeout if self._context is not None else None)
@@ -131,6 +169,18 @@ class Listener:
             return
         gate.settled()
         conn.close()
+
+
+    @staticmethod
+    def _plaintext(conn: socket.socket, first: int | None) -> bool:
+        """Not a TLS handshake; one that looks like a kvwire frame (a length's
+        high byte: 0) is told why before it is closed."""
+        if first is None or first == TLS_HANDSHAKE_RECORD:
+            return False
+        if first == 0:
+            with contextlib.suppress(OSError):
+                conn.send(PLAINTEXT_REFUSAL)
+        return True
 
 
 async def serve(host: str, port: int, handler: StreamHandler, gate: Gate,

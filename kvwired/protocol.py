@@ -257,6 +257,10 @@ RECEIVER_LOCAL: Schema = {
     },
     "release": {"req": REQ},
     "released": {"req": REQ},
+    # Stop holding a request without releasing it: the receiver keeps it for
+    # another engine, as if nobody had subscribed (unclaimed_ttl).
+    "unsubscribe": {"req": REQ},
+    "unsubscribed": {"req": REQ},
     "failed": {"req": REQ, "error": ERROR},
     "error": {"error": ERROR},
 }

@@ -376,8 +376,14 @@ class ReceiverDaemon(Daemon):
     async def _handshake(self, session: SenderSession, address: str) -> None:
         conn = session.conn
         hello = await conn.recv(self._gate.timeout)
-        if hello["t"] != "hello" or hello["role"] != "sender":
+        if hello["t"] != "hello":
             raise ProtocolError(f"expected a sender's hello, got {hello['t']!r}")
+        if hello["role"] != "sender":
+            raise ProtocolError(
+                f"a {hello['role']!r} connected to receiver {self.config.name}'s control "
+                "port, which takes sender daemons only",
+                hint="decode engines connect to the receiver's unix socket (ReceiverClient, "
+                     "kvctl consume); prefill engines to their own sender daemon's")
         self._authorize(conn, hello["name"], address)
         session.name = hello["name"]
         session.label = self._peer_label(session.name)
@@ -865,6 +871,8 @@ class ReceiverDaemon(Daemon):
                 self._subscribe(consumer, msg["req"])
             elif msg["t"] == "release":
                 self._release(consumer, msg["req"])
+            elif msg["t"] == "unsubscribe":
+                self._unsubscribe(consumer, msg["req"])
             else:
                 raise ProtocolError(f"a decode engine may not send {msg['t']!r}")
 
@@ -905,6 +913,24 @@ class ReceiverDaemon(Daemon):
             consumer.send(message("layer", req=req, layer=n))
         if lease.state is LeaseState.HELD:
             consumer.send(self._complete_message(lease))
+
+    def _unsubscribe(self, consumer: Consumer, req: str) -> None:
+        """The engine lets go without releasing: a delivered request is kept for
+        another engine, and reclaimed if none subscribes within unclaimed_ttl."""
+        consumer.subscribed.discard(req)
+        subs = self.subscribers.get(req)
+        if subs is not None:
+            subs.discard(consumer)
+            if not subs:
+                del self.subscribers[req]
+        lease = self.by_req.get(req)
+        if lease is not None and consumer in lease.holders:
+            lease.holders.discard(consumer)
+            if not lease.holders:
+                lease.claimed = False
+                if lease.state is LeaseState.HELD:
+                    self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+        consumer.send(message("unsubscribed", req=req))
 
     def _release(self, consumer: Consumer, req: str) -> None:
         lease = self.by_req.get(req)

@@ -10,8 +10,11 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 
+from kvctl.cli import main as kvctl_main
+from kvctl.consume import consume
 from kvwired import checksum
 from kvwired.client import ReceiverClient, SenderClient, SyncReceiverClient, SyncSenderClient
 from kvwired.errors import (
@@ -389,3 +392,52 @@ async def test_a_receiver_gone_counts_one_data_path_failure_whichever_end_is_see
     await until(lambda: link.connected and len(local.receiver.sessions) == 1,
                 what="reconnected")
     assert lost._value.get() == before + 1
+
+
+async def test_consume_keep_leaves_the_request_for_the_next_decode_engine(
+        local: LocalDaemons) -> None:
+    """``kvctl consume --keep`` checks a request and leaves it: its engine going
+    away used to reclaim it at once (engine_gone), keeping nothing."""
+    data = os.urandom(3 << 20)
+    async with await SenderClient.connect(local.sender_socket) as prefill:
+        sent = await prefill.push_bytes("kept", "decode", data)
+    records = await consume(local.receiver_socket, ["kept"], None, 10, keep=True)
+    assert records[0].checksum_ok
+    assert local.receiver.metrics.reclaimed.labels("engine_gone")._value.get() == 0
+    async with await ReceiverClient.connect(local.receiver_socket) as decode:
+        delivered = await decode.wait_delivered("kept", timeout=5)
+        assert delivered.checksum == sent.checksum
+        await decode.release("kept")
+    await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
+
+
+async def test_an_engine_that_unsubscribes_without_release_leaves_it_unclaimed(
+        tmp_path: Path) -> None:
+    daemons = await start_local(tmp_path, receiver={"unclaimed_ttl": 0.5})
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as prefill, \
+                await ReceiverClient.connect(daemons.receiver_socket) as decode:
+            decode.subscribe("let-go")
+            await prefill.push_bytes("let-go", "decode", b"k" * 4096)
+            await decode.wait_delivered("let-go", timeout=5)
+            await decode.unsubscribe("let-go")
+        # Nobody came for it within unclaimed_ttl: reclaimed as unclaimed.
+        await until(lambda: daemons.receiver.pool.used_bytes == 0)
+        assert daemons.receiver.metrics.reclaimed.labels("unclaimed")._value.get() == 1
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()
+
+
+def test_kvctl_push_of_a_file_names_the_chunks_it_can_take(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """It used to tell a command-line user to "open with a KVLayout"."""
+    cache = tmp_path / "cache.npy"
+    np.save(cache, np.zeros((4, 1024), dtype=np.float16))
+    code = kvctl_main(["push", "--file", str(cache), "--chunk", "per-token",
+                       "--socket", str(tmp_path / "no-daemon.sock")])
+    err = capsys.readouterr().err
+    assert code == 2  # kvctl's exit status for an error it explains
+    assert "--chunk per-token needs the cache's tokens" in err and "--file" in err
+    assert "--chunk per-layer or whole" in err and "KVLayout" not in err

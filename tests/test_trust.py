@@ -21,7 +21,7 @@ from kvwired import checksum
 from kvwired.cli import build_daemon
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.config import SenderConfig, build
-from kvwired.errors import AccessDenied, AuthenticationFailed, ConfigError, PoolFull
+from kvwired.errors import AccessDenied, AuthenticationFailed, ConfigError, PeerLost, PoolFull
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
 from kvwired.receiver import MAX_PEER_LABELS
 from kvwired.trust import Trust
@@ -51,26 +51,84 @@ async def _closed_without_a_word(reader: asyncio.StreamReader) -> bool:
     return b"lease" not in data and b"ready" not in data
 
 
-async def _hello_as(local: LocalDaemons, credentials: Trust, name: str) -> Message:
-    reader, writer = await asyncio.open_connection(
-        "127.0.0.1", local.receiver.control_port, ssl=credentials.client)
-    writer.write(encode(message("hello", role="sender", name=name, transports=["tcp"])))
+async def _answer(reader: asyncio.StreamReader) -> Message:
     decoder = FrameDecoder(CONTROL)
     while (msg := decoder.next_message()) is None:
         data = await asyncio.wait_for(reader.read(65536), 10)
         assert data, "closed without an answer"
         decoder.feed(data)
+    return msg
+
+
+async def _hello_as(local: LocalDaemons, credentials: Trust, name: str,
+                    role: str = "sender") -> Message:
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", local.receiver.control_port, ssl=credentials.client)
+    writer.write(encode(message("hello", role=role, name=name, transports=["tcp"])))
+    msg = await _answer(reader)
     writer.close()
     return msg
 
 
-async def test_a_plaintext_sender_gets_nothing_and_is_counted(local: LocalDaemons) -> None:
+async def test_a_plaintext_sender_is_told_tls_is_required_and_gets_nothing_else(
+        local: LocalDaemons) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", local.receiver.control_port)
     writer.write(encode(message("hello", role="sender", name="prefill", transports=["tcp"])))
+    answer = await _answer(reader)
+    assert answer["t"] == "error" and answer["error"]["code"] == "auth_failed"
+    assert "takes mutual TLS" in answer["error"]["message"]
     assert await _closed_without_a_word(reader)
     writer.close()
     await until(lambda: _refusals(local, "not_tls") == 1, what="the refusal counted")
     await _push_ok(local, "after-plaintext")
+
+
+async def test_a_sender_without_tls_hears_why_from_a_tls_receiver(tmp_path: Path) -> None:
+    """It used to hear PeerLost, "closed the control connection", with a
+    network hint; the cause was only in the receiver's log."""
+    local = await start_local(tmp_path, sender={"auth": "none"})
+    try:
+        async with await SenderClient.connect(local.sender_socket) as client:
+            with pytest.raises(AuthenticationFailed, match="takes mutual TLS") as info:
+                await client.push_bytes("r", "decode", b"x" * 4096)
+        assert "kvctl keys" in info.value.hint
+        assert local.receiver.pool.used_bytes == 0
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()
+
+
+async def test_a_port_that_never_answers_tls_is_named_as_such(local: LocalDaemons) -> None:
+    """A tarpit: it takes the connection and says nothing. The error used to
+    end in "cannot reach receiver ...:" with an empty cause."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def tarpit(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    server = await asyncio.start_server(tarpit, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    local.sender.reload_peers({"decode": f"127.0.0.1:{local.receiver.control_port}",
+                               "tarpit": f"127.0.0.1:{port}"})
+    try:
+        async with await SenderClient.connect(local.sender_socket) as client:
+            with pytest.raises(PeerLost, match=r"took the connection but completed no TLS "
+                                               r"handshake within 2 s") as info:
+                await client.push_bytes("r", "tarpit", b"x" * 4096)
+        assert 'auth = "tls"' in info.value.hint
+    finally:
+        for writer in held:
+            writer.close()
+        server.close()
+    await _push_ok(local, "after-tarpit")
+
+
+async def test_an_engine_on_the_control_port_is_told_where_engines_go(
+        local: LocalDaemons) -> None:
+    answer = await _hello_as(local, local.credentials("prefill"), "prefill", role="decode")
+    assert answer["t"] == "error" and answer["error"]["code"] == "protocol"
+    assert "'decode' connected to receiver decode's control port" in answer["error"]["message"]
+    assert "unix socket" in answer["error"]["hint"]
 
 
 async def test_a_certificate_of_another_cluster_is_refused(local: LocalDaemons,

@@ -258,26 +258,7 @@ class PeerLink:
     async def _connect_on(self, usable_rails: list[str]) -> None:
         cfg = self.config
         host, port = parse_address(self.address, 7471)
-        tls = self.trust.client if self.trust is not None else None
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=tls), cfg.connect_timeout)
-        except ssl.SSLError as exc:
-            verify = str(getattr(exc, "verify_message", "") or "")
-            raise AuthenticationFailed(
-                f"receiver {self.name} at {host}:{port} failed the TLS handshake: "
-                f"{verify or exc.reason or exc}",
-                hint=("a certificate in the handshake has expired: reissue it with `kvctl "
-                      "keys issue` and send SIGHUP to the daemon that holds it"
-                      if "expired" in verify else
-                      "its certificate must come from this cluster's CA and be a receiver's; "
-                      "a receiver with auth = \"none\" fails this way too")) from exc
-        except (OSError, TimeoutError) as exc:
-            raise PeerLost(
-                f"cannot reach receiver {self.name} at {host}:{port}: "
-                f"{getattr(exc, 'strerror', None) or exc or 'timed out'}",
-                hint="is kvwired receiver running there, and is the port reachable?",
-            ) from exc
+        reader, writer = await self._dial(host, port)
         conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
         channels: list[DataChannel] = []
         try:
@@ -305,6 +286,52 @@ class PeerLink:
         log.info("connected to receiver", peer=self.name, address=self.address,
                  transport=self.transport.name, channels=len(channels),
                  rails=sorted(set(rails) - {""}), credits=self.credits[0])
+
+    async def _dial(self, host: str, port: int
+                    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """The control connection's TCP connection, then its TLS handshake: two
+        steps, so that a port that takes connections and never answers TLS is
+        told apart from one that cannot be reached, each within connect_timeout."""
+        timeout = self.config.connect_timeout
+        where = f"receiver {self.name} at {host}:{port}"
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port),
+                                                    timeout)
+        except (OSError, TimeoutError) as exc:
+            raise PeerLost(
+                f"cannot reach {where}: "
+                f"{getattr(exc, 'strerror', None) or f'no answer within {timeout:g} s'}",
+                hint="is kvwired receiver running there, and is the port reachable?",
+            ) from exc
+        if self.trust is None:
+            return reader, writer
+        try:
+            await asyncio.wait_for(writer.start_tls(self.trust.client, server_hostname=host),
+                                   timeout)
+        except ssl.SSLError as exc:
+            writer.close()
+            verify = str(getattr(exc, "verify_message", "") or "")
+            raise AuthenticationFailed(
+                f"{where} failed the TLS handshake: {verify or exc.reason or exc}",
+                hint=("a certificate in the handshake has expired: reissue it with `kvctl "
+                      "keys issue` and send SIGHUP to the daemon that holds it"
+                      if "expired" in verify else
+                      "its certificate must come from this cluster's CA and be a receiver's; "
+                      "a receiver with auth = \"none\" fails this way too")) from exc
+        except TimeoutError as exc:
+            writer.close()
+            raise PeerLost(
+                f"{where} took the connection but completed no TLS handshake within "
+                f"{timeout:g} s",
+                hint="is a kvwire receiver with auth = \"tls\" on that port? Another service "
+                     "there, or an overloaded receiver, answers this way") from exc
+        except OSError as exc:
+            writer.close()
+            raise PeerLost(f"{where} closed the connection during the TLS handshake: "
+                           f"{exc.strerror or exc}",
+                           hint="its log says why (kvwire_auth_failures_total counts it)"
+                           ) from exc
+        return reader, writer
 
     async def _open_channel(self, conn: ControlConnection, rail: str,
                             probe: bool = False) -> DataChannel:
