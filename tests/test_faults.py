@@ -124,7 +124,8 @@ def test_scenarios_are_selected_by_name_and_a_wrong_name_says_which_exist() -> N
     assert len({s.name for s in SCENARIOS}) == len(SCENARIOS)
     for scenario in SCENARIOS:
         assert scenario.kind in ("wire", "process", "resource")
-        assert bool(scenario.netem or scenario.blackout or scenario.action), scenario
+        assert bool(scenario.netem or scenario.blackout or scenario.data_cut
+                    or scenario.action), scenario
 
 
 def test_loss_can_always_be_put_on_the_wire() -> None:
@@ -188,12 +189,22 @@ def test_a_short_campaign_between_two_namespaces_is_clean(tmp_path: Path) -> Non
     for name, s in scenarios.items():
         assert s["attempted"] == s["iterations"] == 3, s
         assert (s["corrupt_bytes"], s["leaked_bytes"], s["hangs"], s["untyped_errors"],
-                s["split_outcomes"]) == (0, 0, 0, 0, 0), (name, s["notes"])
+                s["split_outcomes"], s["decode_not_told"]) == (0, 0, 0, 0, 0, 0), (name,
+                                                                           s["notes"])
         assert s["error_seconds_p99"] is None or s["error_seconds_p99"] < 10, s
     # The faults that must fail a push did, with the error a user can act on.
     assert scenarios["pool-full"]["failed_by_class"] == {"PoolFull": 3}
     assert scenarios["kill-receiver"]["restarts"] == 3
     assert scenarios["loss-1%"]["delivered_verified"] == 3
+    # A data stream gone silent ends its push, typed, within the bound above
+    # (it used to hang with its deadline never firing).
+    stalled = scenarios["stalled-stream"]
+    assert stalled["delivered_verified"] == 0 and sum(stalled["failed_by_class"].values()) == 3
+    # An engine that stopped waiting still hears one outcome, the decode
+    # engine's: aborted, or delivered before its abort arrived.
+    cancelled = scenarios["cancel-wait"]
+    assert cancelled["delivered_verified"] + sum(cancelled["failed_by_class"].values()) == 3
+    assert set(cancelled["failed_by_class"]) <= {"RequestAborted"}, cancelled
     assert "every scenario clean" in done.stdout
 
 

@@ -142,7 +142,8 @@ class Campaign:
     # ------------------------------------------------------------- engines
 
     def _engine(self, role: str, req: str, seed: int, events: queue.Queue[Event],
-                hold: str | None = None, gated: bool = False) -> Engine:
+                hold: str | None = None, gated: bool = False,
+                extra: tuple[str, ...] = ()) -> Engine:
         """An engine process. ``gated``: a prefill engine starts with the decode
         engine (both pay their start-up at once) but holds at "connected"
         until the decode engine has subscribed."""
@@ -153,10 +154,11 @@ class Campaign:
                 "--deadline", str(PUSH_DEADLINE)]
         for phase in (["connected"] if gated else []) + ([hold] if hold else []):
             argv += ["--hold", phase]
+        argv += extra
         return Engine(role, self.deployment.engine(role, argv, hold), events, hold)
 
     def _push(self, req: str, seed: int, decode_hold: str | None = None,
-              prefill_hold: str | None = None,
+              prefill_hold: str | None = None, prefill_extra: tuple[str, ...] = (),
               at_hold: Callable[[Engine], None] | None = None
               ) -> tuple[dict[str, dict[str, Any]], float | None, bool]:
         """One verified push. Returns each side's ending, when the fault struck
@@ -166,7 +168,7 @@ class Campaign:
         events: queue.Queue[Event] = queue.Queue()
         engines = {"decode": self._engine("decode", req, seed, events, decode_hold),
                    "prefill": self._engine("prefill", req, seed, events, prefill_hold,
-                                           gated=True)}
+                                           gated=True, extra=prefill_extra)}
         struck: float | None = None
         endings: dict[str, dict[str, Any]] = {}
         verified: dict[str, Any] | None = None
@@ -241,6 +243,8 @@ class Campaign:
                 self._iteration(scenario, n, result)
             except BaseException:
                 self.deployment.wire(None)  # never leave a fault on the wire
+                if scenario.data_cut:
+                    self.deployment.cut_data(False)
                 raise
         self.progress(scenario.name, self.iterations, self.iterations)
         result.leaked_bytes = self._leftover_after_draining()
@@ -263,6 +267,8 @@ class Campaign:
             req, seed,
             decode_hold=point if point in DECODE_PHASES else None,
             prefill_hold=point if point in PREFILL_PHASES else None,
+            prefill_extra=(() if scenario.give_up_after is None
+                           else ("--give-up-after", str(scenario.give_up_after))),
             at_hold=self._striker(scenario, result) if point else None)
         for hog in hogs:
             for engine in hog:
@@ -270,6 +276,8 @@ class Campaign:
         self._end_hogs(hogs)
         if scenario.netem:
             self.deployment.wire(None)
+        if scenario.data_cut:
+            self.deployment.cut_data(False)
         healed = time.monotonic()
         self.deployment.supervise()
         self._account(scenario, result, endings, struck_at, hung, req)
@@ -327,6 +335,11 @@ class Campaign:
                 deployment.wire("loss 100%")
                 time.sleep(scenario.blackout)  # the blackout itself
                 deployment.wire(None)
+            elif scenario.data_cut:
+                # Cut before the rest is committed: it is posted into a path
+                # that drops it silently, until the push has ended.
+                deployment.cut_data(True)
+                holder.release()
             else:
                 holder.release()
         return strike

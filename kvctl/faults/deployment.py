@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..netns import DaemonProcess, Host, NetnsPair, receiver_config, scrape_in, sender_config
-from .wire import WireFaults
+from .wire import WireFaults, cut_data_path, heal_data_path
 
 ROLES = ("receiver", "sender")
 
@@ -50,6 +50,8 @@ class Deployment(Protocol):
     def engine(self, role: str, argv: list[str], hold: str | None) -> EngineHandle: ...
 
     def wire(self, netem: str | None) -> None: ...
+
+    def cut_data(self, cut: bool) -> None: ...
 
     def can_emulate(self, netem: str) -> str | None: ...
 
@@ -161,6 +163,18 @@ class NetnsDeployment:
         """The fault on both ends of the wire (None: a clean wire again)."""
         for host in self._hosts():
             self._wire.apply(functools.partial(self.pair.argv, host), host.ifname, netem)
+
+    def cut_data(self, cut: bool) -> None:
+        """Drop the data streams' packets as they reach decode (no reset), or stop."""
+        def run(argv: list[str]) -> tuple[int, str]:
+            done = subprocess.run(self.pair.argv(self.pair.decode, argv), capture_output=True,
+                                  text=True)
+            return done.returncode, done.stderr
+
+        if cut:
+            cut_data_path(run, [f"tcp dport {self.daemons['receiver'].config['data_port']}"])
+        else:
+            heal_data_path(run)
 
     def supports(self, action: str) -> str | None:
         if action == "stall":

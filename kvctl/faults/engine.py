@@ -91,7 +91,17 @@ async def prefill(args: argparse.Namespace) -> None:
             if args.layer_interval:
                 await asyncio.sleep(args.layer_interval)  # the engine's compute, emulated
         await hold("committed", args)
-        result = await push.finish()
+        if args.give_up_after is None:
+            result = await push.finish()
+        else:
+            # As an asyncio engine stops waiting: then it aborts, and still
+            # learns how the request ended (aborted, or delivered first).
+            try:
+                result = await asyncio.wait_for(push.finish(), args.give_up_after)
+            except TimeoutError:
+                emit("gave-up")
+                push.abort()
+                result = await push.finish()
         emit("finished", seconds=time.monotonic() - started, checksum=result.checksum)
 
 
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", default="per-layer")
     parser.add_argument("--deadline", type=float)
     parser.add_argument("--layer-interval", type=float, default=0.0)
+    parser.add_argument("--give-up-after", type=float,
+                        help="wait this long on finish(), then abort and wait for the verdict")
     parser.add_argument("--hold", action="append", choices=[*PREFILL_PHASES, *DECODE_PHASES],
                         help="wait at this phase until released (repeatable)")
     parser.add_argument("--release-dir", help="wait for DIR/PHASE instead of a line on stdin")

@@ -22,6 +22,7 @@ from ..lab.daemons import ServiceDaemon, receiver_config, sender_config
 from ..lab.machine import SHARED_DIR, LabError, LabState, exec_in, run_in
 from ..status import scrape
 from .deployment import EngineHandle
+from .wire import cut_data_path, heal_data_path
 
 ENGINE_NODE = {"prefill": "prefill", "decode": "decode"}
 DAEMON_NODE = {"receiver": "decode", "sender": "prefill"}
@@ -220,6 +221,19 @@ class LabDeployment:
                                          "netem", *netem.split()], state=self.state)
             if code != 0:
                 raise RuntimeError(f"tc netem {netem} in {node}: {err.strip()}")
+
+    def cut_data(self, cut: bool) -> None:
+        """Drop the data path's packets as they reach decode, no reset: RoCE v2
+        (UDP 4791) on every rail, and the TCP transport's data port."""
+        def run(argv: list[str]) -> tuple[int, str]:
+            code, _, err = run_in("decode", argv, state=self.state)
+            return code, err
+
+        if cut:
+            port = self.daemons["receiver"].config.get("data_port", 7472)
+            cut_data_path(run, ["udp dport 4791", f"tcp dport {port}"])
+        else:
+            heal_data_path(run)
 
     def supports(self, action: str) -> str | None:
         return None

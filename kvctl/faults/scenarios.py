@@ -19,6 +19,12 @@ class Scenario:
     what: str  # one line for the table's legend
     netem: str | None = None  # on the wire for the whole push
     blackout: float = 0.0  # seconds of 100 % loss, from the fault point
+    # The data path's packets dropped without a reset from the fault point to
+    # the push's end; the control connection untouched.
+    data_cut: bool = False
+    # The prefill engine stops waiting on finish() (asyncio.wait_for) after
+    # this many seconds, aborts, and waits for the verdict.
+    give_up_after: float | None = None
     target: str | None = None  # receiver, sender (daemons); prefill, decode (engines)
     action: str | None = None  # kill, stop, stall, restart, memlock, pool-full, ...
     at: tuple[str, ...] = ()
@@ -39,6 +45,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              netem="corrupt 0.1%"),
     Scenario("blackout-2s", "wire", "100 % loss for 2 s mid-push, then a clean wire",
              blackout=2.0, at=("half",)),
+    Scenario("stalled-stream", "wire", "the data path's packets dropped without a reset "
+             "mid-push (the control connection healthy): progress detection must end it",
+             data_cut=True, at=("half",)),
     Scenario("kill-sender", "process", "SIGKILL of the sender daemon", target="sender",
              action="kill", at=PUSH_POINTS),
     Scenario("kill-receiver", "process", "SIGKILL of the receiver daemon",
@@ -51,6 +60,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              target="sender", action="stop", at=("half",)),
     Scenario("stop-receiver", "process", "SIGSTOP of the receiver past the heartbeat, "
              "SIGCONT", target="receiver", action="stop", at=("half",)),
+    Scenario("cancel-wait", "process", "the prefill engine stops waiting on finish() "
+             "(asyncio.wait_for), aborts, then waits for the verdict", target="prefill",
+             action="cancel-wait", give_up_after=0.001, at=("committed",)),
     Scenario("restart-receiver", "process", "a clean restart of the receiver under load",
              target="receiver", action="restart", at=PUSH_POINTS),
     Scenario("restart-sender", "process", "a clean restart of the sender under load",
@@ -68,7 +80,8 @@ SCENARIOS: tuple[Scenario, ...] = (
 )
 
 # A few scenarios, a few iterations: the campaign's own test in `make test`.
-SHORT = ("loss-1%", "blackout-2s", "kill-receiver", "kill-decode", "pool-full")
+SHORT = ("loss-1%", "blackout-2s", "stalled-stream", "kill-receiver", "kill-decode",
+         "cancel-wait", "pool-full")
 
 
 def select(names: list[str] | None, transport: str) -> list[Scenario]:
