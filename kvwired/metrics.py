@@ -196,6 +196,13 @@ class Metrics:
         )
         # Delivered requests taken back without a release: their engine died
         # holding them (engine_gone), or none claimed them in time (unclaimed).
+        self.registry_refused = Counter(
+            "kvwire_registry_records_refused_total",
+            "registry records not believed, by reason (undecodable; with TLS: unsigned, "
+            "bad_certificate, not_from_ca, wrong_name, not_a_receiver, expired, "
+            "bad_signature): each is ignored",
+            ["reason"], registry=r,
+        )
         self.reclaimed = Counter(
             "kvwire_reclaimed_total",
             "delivered requests freed without a release, by reason",

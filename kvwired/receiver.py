@@ -197,6 +197,7 @@ class ReceiverDaemon(Daemon):
         self._lease_ids: set[int] = set()  # the request path's and the services'
         # How leases ended, for senders that lost the answer (kvwired.verdicts).
         self.verdicts = VerdictBook()
+        self._sealed: tuple[Member, Member] | None = None  # (as described, as signed)
         # Layers are hashed here as they land: XXH3 releases the GIL, so the
         # loop keeps receiving meanwhile. Two threads, so that a request
         # whose layers all land at once (one write) is hashed in half the time.
@@ -256,13 +257,25 @@ class ReceiverDaemon(Daemon):
         )
 
     def describe(self) -> Member:
-        """This receiver as the registry shows it to senders."""
+        """This receiver as the registry shows it to senders: sealed with its node
+        key when TLS is on (kvwired.discovery.seal), re-signed only when it changes."""
         cfg = self.config
-        return Member(name=cfg.name, control=cfg.advertised_control(self.control_port),
-                      transport=self.transport.name,
-                      protocol=PROTOCOL_VERSION, pool_bytes=self.pool.size,
-                      pool_free=self.pool.size - self.pool.used_bytes,
-                      identity=self.trust.fingerprint if self.trust is not None else "")
+        member = Member(name=cfg.name, control=cfg.advertised_control(self.control_port),
+                        transport=self.transport.name,
+                        protocol=PROTOCOL_VERSION, pool_bytes=self.pool.size,
+                        pool_free=self.pool.size - self.pool.used_bytes,
+                        identity=self.trust.fingerprint if self.trust is not None else "",
+                        certificate=self.trust.certificate_pem if self.trust is not None
+                        else "")
+        if self.trust is None:
+            return member
+        if self._sealed is None or self._sealed[0] != member:
+            # ECDSA signatures differ at each signing: re-signing an unchanged
+            # record would rewrite it in etcd at every refresh.
+            from .discovery.seal import seal
+
+            self._sealed = (member, seal(member, self.trust))
+        return self._sealed[1]
 
     def live_metrics(self) -> Iterator[LiveSample]:
         posted: dict[str, int] = {}  # by label: "other" may stand for several

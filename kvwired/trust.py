@@ -30,7 +30,8 @@ from typing import Any
 
 import structlog
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from .errors import ConfigError
@@ -124,6 +125,9 @@ class Trust:
         self.client = self._context(ssl.PROTOCOL_TLS_CLIENT)
         self.own_name = ""
         self.fingerprint = ""  # SHA-256 of our certificate, hex (the registry shows it)
+        self.certificate_pem = ""  # ours, as a receiver's registry record carries it
+        self.ca_certificate: x509.Certificate | None = None  # records are checked against it
+        self._key: ec.EllipticCurvePrivateKey | None = None
         self.expires_at = 0.0  # our certificate's notAfter, seconds since the epoch
         self.load()
 
@@ -144,7 +148,8 @@ class Trust:
             trial.load_verify_locations(str(self.files.ca))
             trial.load_cert_chain(str(self.files.cert), str(self.files.key))
             own = x509.load_pem_x509_certificate(self.files.cert.read_bytes())
-        except (ssl.SSLError, OSError, ValueError) as exc:
+            key = serialization.load_pem_private_key(self.files.key.read_bytes(), None)
+        except (ssl.SSLError, OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"cannot load the credentials in {self.files.directory}: {exc}",
                               hint="reissue them with `kvctl keys issue`") from exc
         _check_validity(own, self.files.cert, "certificate")
@@ -164,8 +169,14 @@ class Trust:
         for context in (self.server, self.client):
             context.load_verify_locations(str(self.files.ca))
             context.load_cert_chain(str(self.files.cert), str(self.files.key))
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise ConfigError(f"{self.files.key} is not an elliptic-curve key",
+                              hint="reissue the credentials with `kvctl keys issue`")
         self.own_name = own_name
         self.fingerprint = own.fingerprint(hashes.SHA256()).hex()
+        self.certificate_pem = own.public_bytes(serialization.Encoding.PEM).decode()
+        self.ca_certificate = ca
+        self._key = key
         expires = _utc(own.not_valid_after)
         self.expires_at = expires.timestamp()
         left = expires - datetime.datetime.now(datetime.UTC)
@@ -177,6 +188,11 @@ class Trust:
         else:
             log.info("credentials loaded", directory=str(self.files.directory), name=own_name,
                      expires=expires.isoformat())
+
+    def sign(self, data: bytes) -> bytes:
+        """ECDSA (SHA-256) over ``data`` with this node's key: its registry record."""
+        assert self._key is not None, "credentials are loaded in __init__"
+        return self._key.sign(data, ec.ECDSA(hashes.SHA256()))
 
     def reload(self) -> bool:
         try:

@@ -26,7 +26,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
               "kvwired.config",
               "kvwired.pool", "kvwired.rdma", "kvwired.metrics", "kvwired.stream",
               "kvwired.lifecycle", "kvwired.lifecycle.*", "kvwired.trust", "kvwired.quota",
-              "kvwired.discovery", "kvwired.discovery.address",
+              "kvwired.discovery", "kvwired.discovery.address", "kvwired.discovery.seal",
               "kvwired.discovery.membership"),
     "transport": ("kvwired.transport", "kvwired.transport.*"),
     "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate",

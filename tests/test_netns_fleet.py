@@ -360,8 +360,8 @@ def stored_record(fleet: Fleet) -> tuple[dict[str, Any], int]:
 async def test_a_forged_record_heals_within_a_refresh_and_costs_auto_nothing(
         fleet: Fleet, pushing: Callable[[], Tally]) -> None:
     """An overwrite of a receiver's record (a tarpit address, no etcd lease, so
-    it would never expire) is undone by the receiver within a refresh, and
-    the sender keeps its authenticated link to the real receiver meanwhile."""
+    it would never expire) is not believed by the sender (its signature does
+    not cover it) and is undone by the receiver within a refresh."""
     receiver = fleet.receiver("decode-a", 0)
     sender = fleet.sender("prefill-1", 0)
 
@@ -395,4 +395,7 @@ async def test_a_forged_record_heals_within_a_refresh_and_costs_auto_nothing(
     assert not tally.errors, tally.errors
     assert not tally.typed, tally.typed  # not one auto push lost to the forgery
     assert await fleet.sample("prefill-1", "kvwire_reconnects_total", peer="decode-a") == 0
-    assert fleet.log_has(sender, "authenticated link is kept")
+    # Its signature does not cover its fields: not believed, counted, ignored.
+    assert await fleet.sample("prefill-1", "kvwire_registry_records_refused_total",
+                              reason="bad_signature") >= 1
+    assert fleet.log_has(sender, "registry record not believed")

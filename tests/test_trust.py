@@ -399,3 +399,17 @@ def test_keys_issue_refuses_a_lifetime_that_is_already_over(tmp_path: Path, days
     local_cluster(tmp_path / "tls", {"decode": "receiver"})
     with pytest.raises(ConfigError, match="already expired"):
         issue(tmp_path / "tls" / "ca", "prefill", "sender", tmp_path / "out", days=days)
+
+
+async def test_an_authenticated_link_is_kept_when_its_receiver_is_given_another_address(
+        local: LocalDaemons) -> None:
+    """The receiver proved its name by certificate and is still there: a new
+    address (config or registry) is where the link reconnects, not a reason
+    to drop it and every push on it."""
+    await _push_ok(local, "before")
+    link = local.sender.links["decode"]
+    assert link.connected
+    local.sender.reload_peers({"decode": "127.0.0.1:9"})  # nothing listens there
+    assert local.sender.links["decode"] is link and link.connected
+    assert link.address == "127.0.0.1:9"
+    await _push_ok(local, "on-the-kept-link")

@@ -8,15 +8,19 @@ connected to, and chooses a receiver for ``peer="auto"``.
 
 The registry is shared ground: anything that can write to it can write a
 record there. A record that does not decode is skipped and reported, never
-trusted in part; whether the node behind a record is who it claims to be is
-settled by the control connection's mutual TLS, not by the record.
+trusted in part. With TLS, a receiver signs its record with its node key
+and carries its certificate in it; a sender that is handed a ``check``
+believes only records that pass it (kvwired.discovery.seal), and one that
+fails is *refused*: reported, counted, and ignored, the member as last
+believed staying. Whether the node behind a record is who it claims to be
+is settled again by the control connection's mutual TLS.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, get_type_hints
 
@@ -43,10 +47,18 @@ class Member:
     pool_bytes: int
     pool_free: int
     identity: str = ""  # SHA-256 of its TLS certificate, "" without TLS
+    certificate: str = ""  # its TLS certificate, PEM ("" without TLS)
+    signature: str = ""  # base64 ECDSA by its node key over ``signed_body`` ("" without TLS)
 
     def encode(self) -> bytes:
         # JSON, so `etcdctl get --prefix` shows an operator what is there.
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    def signed_body(self) -> bytes:
+        """What the signature covers: every field but the signature itself."""
+        fields = asdict(self)
+        del fields["signature"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, key_name: str, raw: bytes) -> Member:
@@ -94,12 +106,18 @@ def _is_name(name: str) -> bool:
     return 0 < len(name) <= 64 and all(c.isalnum() or c in "-_." for c in name)
 
 
+# A record's check: None to believe it, else (reason label, what is wrong).
+RecordCheck = Callable[[Member], tuple[str, str] | None]
+
+
 @dataclass
 class Changes:
     joined: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     moved: list[str] = field(default_factory=list)  # a new control address
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    # Records that decoded but failed the check, ignored: (key, reason, why).
+    refused: list[tuple[str, str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.joined or self.left or self.moved)
@@ -112,8 +130,9 @@ class Membership:
     shows them) but not offered as peers: a connection would be refused.
     """
 
-    def __init__(self, protocol: int) -> None:
+    def __init__(self, protocol: int, check: RecordCheck | None = None) -> None:
         self.protocol = protocol
+        self.check = check
         self.members: dict[str, Member] = {}
         self.revision = 0  # the registry revision this view is current to
 
@@ -123,7 +142,10 @@ class Membership:
         changes = Changes()
         for name, raw in records:
             member = self._decode(name, raw, changes)
-            if member is not None:
+            if member is _REFUSED:
+                if name in self.members:  # believed before: it stays as it was
+                    fresh[name] = self.members[name]
+            elif isinstance(member, Member):
                 fresh[name] = member
         for name in self.members.keys() - fresh.keys():
             changes.left.append(name)
@@ -139,7 +161,9 @@ class Membership:
             return changes  # already in the snapshot this view was built from
         self.revision = revision
         member = self._decode(name, raw, changes)
-        if member is None:
+        if member is _REFUSED:
+            return changes  # not believed: the member stays as last believed
+        if not isinstance(member, Member):
             # A record we cannot read is no receiver of ours: drop the old one.
             if self.members.pop(name, None) is not None:
                 changes.left.append(name)
@@ -176,12 +200,18 @@ class Membership:
         best = max(live, key=lambda m: (m.pool_free, _rendezvous(chooser, m.name)))
         return best.name
 
-    def _decode(self, name: str, raw: bytes, changes: Changes) -> Member | None:
+    def _decode(self, name: str, raw: bytes, changes: Changes) -> Member | _Refused | None:
+        """The record as a Member; None if it does not decode, ``_REFUSED`` if it
+        decodes but fails the check."""
         try:
-            return Member.decode(name, raw)
+            member = Member.decode(name, raw)
         except BadMemberRecord as exc:
             changes.rejected.append((name, exc.message))
             return None
+        if self.check is not None and (refusal := self.check(member)) is not None:
+            changes.refused.append((name, *refusal))
+            return _REFUSED
+        return member
 
     @staticmethod
     def _note(old: Member | None, new: Member, changes: Changes) -> None:
@@ -189,6 +219,13 @@ class Membership:
             changes.joined.append(new.name)
         elif old.control != new.control:
             changes.moved.append(new.name)
+
+
+class _Refused:
+    """A record that decoded and was not believed."""
+
+
+_REFUSED = _Refused()
 
 
 def _rendezvous(chooser: str, member: str) -> bytes:

@@ -16,7 +16,7 @@ import structlog
 from ..metrics import LiveSample
 from ..tasks import spawn
 from .address import RegistryAddress
-from .membership import Changes, Member, Membership
+from .membership import Changes, Member, Membership, RecordCheck
 
 log = structlog.get_logger("kvwired.discovery")
 
@@ -83,11 +83,12 @@ class Subscription(Presence):
     """A sender's view of the receivers, handed to ``on_change`` as it changes."""
 
     def __init__(self, url: str, protocol: int,
-                 on_change: Callable[[Changes], None]) -> None:
+                 on_change: Callable[[Changes], None],
+                 check: RecordCheck | None = None) -> None:
         from .registry import Watcher
 
         super().__init__(url)
-        self.membership = Membership(protocol)
+        self.membership = Membership(protocol, check)
         self.watcher = Watcher(self.link, self.membership, on_change)
 
     def start(self) -> None:

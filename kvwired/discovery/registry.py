@@ -191,6 +191,10 @@ class Watcher:
     def _report(self, changes: Changes) -> None:
         for key, why in changes.rejected:
             log.warning("registry record skipped", key=key, error=why)
+        for key, reason, why in changes.refused:
+            log.warning("registry record not believed: ignored", key=key, reason=reason,
+                        error=why, hint="only a receiver of this cluster may write its own "
+                        "record; check who else writes to the registry")
         if changes:
             log.info("membership changed", joined=changes.joined, left=changes.left,
                      moved=changes.moved, members=sorted(self.membership.members))

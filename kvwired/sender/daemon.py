@@ -109,8 +109,11 @@ class SenderDaemon(Daemon):
             spawn(link.keep_connected(), f"link-{link.name}")
         self.driver.update_pool_metrics()
         if cfg.discovery:
-            self.subscription = Subscription(cfg.discovery, PROTOCOL_VERSION,
-                                             self._membership_changed)
+            from ..discovery.seal import checker
+
+            self.subscription = Subscription(
+                cfg.discovery, PROTOCOL_VERSION, self._membership_changed,
+                checker(self.trust) if self.trust is not None else None)
             self.join_registry(self.subscription)
         log.info("sender ready", name=cfg.name, socket=cfg.socket, **self.transport.describe(),
                  staging_bytes=cfg.staging_size, peers=dict(cfg.peers),
@@ -155,6 +158,10 @@ class SenderDaemon(Daemon):
         return merged_peers(self.static_peers, self.subscription.membership.peers())
 
     def _membership_changed(self, changes: Changes) -> None:
+        for _ in changes.rejected:
+            self.metrics.registry_refused.labels("undecodable").inc()
+        for _, reason, _ in changes.refused:
+            self.metrics.registry_refused.labels(reason).inc()
         if changes:
             self.reload_peers(self._wanted_peers(), why="it left the registry")
 
