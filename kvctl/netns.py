@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +95,21 @@ class NetnsPair:
 
     def argv(self, host: Host, command: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", host.netns, *command]
+
+    def runner(self, host: Host) -> Callable[[list[str]], tuple[int, str]]:
+        """Runs a command in ``host``: its exit code and error output."""
+        def run(command: list[str]) -> tuple[int, str]:
+            done = subprocess.run(self.argv(host, command), capture_output=True, text=True)
+            return done.returncode, done.stderr
+        return run
+
+    def established_ports(self, host: Host, peer_port: int) -> list[int]:
+        """``host``'s local ports of its established TCP connections to ``peer_port``."""
+        out = subprocess.run(self.argv(host, [
+            "ss", "-Htn", "state", "established", "dport", f"= :{peer_port}"]),
+            capture_output=True, text=True, check=True).stdout
+        return sorted(int(line.split()[2].rpartition(":")[2]) for line in out.splitlines()
+                      if line.strip())
 
     def __enter__(self) -> NetnsPair:
         return self.up()

@@ -898,14 +898,17 @@ class ReceiverDaemon(Daemon):
             os.close(fd)
             self._consumer_gone(consumer)
 
+    def _forget_subscriber(self, consumer: Consumer, req: str) -> None:
+        subs = self.subscribers.get(req)
+        if subs is not None:
+            subs.discard(consumer)
+            if not subs:
+                del self.subscribers[req]
+
     def _consumer_gone(self, consumer: Consumer) -> None:
         """A decode engine left (or died): what only it held goes back to the pool."""
         for req in consumer.subscribed:
-            subs = self.subscribers.get(req)
-            if subs is not None:
-                subs.discard(consumer)
-                if not subs:
-                    del self.subscribers[req]
+            self._forget_subscriber(consumer, req)
             lease = self.by_req.get(req)
             if lease is None:
                 continue
@@ -931,11 +934,7 @@ class ReceiverDaemon(Daemon):
         """The engine lets go without releasing: a delivered request is kept for
         another engine, and reclaimed if none subscribes within unclaimed_ttl."""
         consumer.subscribed.discard(req)
-        subs = self.subscribers.get(req)
-        if subs is not None:
-            subs.discard(consumer)
-            if not subs:
-                del self.subscribers[req]
+        self._forget_subscriber(consumer, req)
         lease = self.by_req.get(req)
         if lease is not None and consumer in lease.holders:
             lease.holders.discard(consumer)

@@ -10,7 +10,6 @@ both ends, and the next push must go through once the path is clear.
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.faults.wire import drop_inbound, undo_drop_inbound
 from kvctl.netns import (
     DaemonProcess,
     NetnsPair,
@@ -34,7 +34,6 @@ _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
 
 LAYERS, LAYER_BYTES = 12, 1 << 20
-TABLE = "kvwire_stall_test"
 DATA_PORT = 7472
 
 
@@ -44,27 +43,13 @@ def pair() -> Iterator[NetnsPair]:
         yield hosts
 
 
-def _data_stream_ports(pair: NetnsPair) -> list[int]:
-    """The sender's local ports of its established data streams to the receiver."""
-    out = subprocess.run(pair.argv(pair.prefill, [
-        "ss", "-Htn", "state", "established", "dport", f"= :{DATA_PORT}"]),
-        capture_output=True, text=True, check=True).stdout
-    return sorted(int(line.split()[2].rpartition(":")[2]) for line in out.splitlines()
-                  if line.strip())
-
-
 def _drop_stream(pair: NetnsPair, sender_port: int) -> None:
     """Silently drop (no reset) every packet of one stream as it reaches decode."""
-    rules = (f"table inet {TABLE} {{\n"
-             f"  chain in {{ type filter hook input priority 0; "
-             f"tcp sport {sender_port} tcp dport {DATA_PORT} drop; }}\n}}\n")
-    subprocess.run(pair.argv(pair.decode, ["nft", "-f", "-"]), input=rules, text=True,
-                   check=True, capture_output=True)
+    drop_inbound(pair.runner(pair.decode), [f"tcp sport {sender_port} tcp dport {DATA_PORT}"])
 
 
 def _clear(pair: NetnsPair) -> None:
-    subprocess.run(pair.argv(pair.decode, ["nft", "delete", "table", "inet", TABLE]),
-                   capture_output=True)
+    undo_drop_inbound(pair.runner(pair.decode))
 
 
 async def _leases_held(pair: NetnsPair) -> float:
@@ -95,7 +80,7 @@ async def test_a_stream_dropped_without_a_reset_ends_the_push_within_the_stall_b
             push.commit(n)
         for n in range(4):
             await asyncio.wait_for(push.wait_sent(n), 30)
-        ports = _data_stream_ports(pair)
+        ports = pair.established_ports(pair.prefill, DATA_PORT)
         assert len(ports) == qps
         _drop_stream(pair, ports[-1])
         cut = time.monotonic()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.faults.wire import drop_inbound, undo_drop_inbound
 from kvctl.netns import (
     DaemonProcess,
     NetnsPair,
@@ -37,7 +37,6 @@ _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
 
 SHAPE = RequestShape(4, 256 << 10)
-TABLE = "kvwire_verdict_test"
 CONTROL_PORT = 7471
 
 
@@ -47,29 +46,16 @@ def pair() -> Iterator[NetnsPair]:
         yield hosts
 
 
-def _control_port(pair: NetnsPair) -> int:
-    """The sender's local port of its control connection to the receiver."""
-    out = subprocess.run(pair.argv(pair.prefill, [
-        "ss", "-Htn", "state", "established", "dport", f"= :{CONTROL_PORT}"]),
-        capture_output=True, text=True, check=True).stdout
-    ports = [int(line.split()[2].rpartition(":")[2]) for line in out.splitlines()
-             if line.strip()]
-    assert len(ports) == 1, out
-    return ports[0]
-
-
-def _deafen(pair: NetnsPair, sender_port: int) -> None:
-    """Drop everything the receiver says on that one connection (no reset)."""
-    rules = (f"table inet {TABLE} {{\n"
-             f"  chain in {{ type filter hook input priority 0; "
-             f"tcp sport {CONTROL_PORT} tcp dport {sender_port} drop; }}\n}}\n")
-    subprocess.run(pair.argv(pair.prefill, ["nft", "-f", "-"]), input=rules, text=True,
-                   check=True, capture_output=True)
+def _deafen_control_connection(pair: NetnsPair) -> None:
+    """Drop everything the receiver says on the sender's one control
+    connection (no reset); a new connection is not touched."""
+    ports = pair.established_ports(pair.prefill, CONTROL_PORT)
+    assert len(ports) == 1, ports
+    drop_inbound(pair.runner(pair.prefill), [f"tcp sport {CONTROL_PORT} tcp dport {ports[0]}"])
 
 
 def _clear(pair: NetnsPair) -> None:
-    subprocess.run(pair.argv(pair.prefill, ["nft", "delete", "table", "inet", TABLE]),
-                   capture_output=True)
+    undo_drop_inbound(pair.runner(pair.prefill))
 
 
 async def _deliver_unheard(pair: NetnsPair, prefill: SenderClient, decode: ReceiverClient,
@@ -84,7 +70,7 @@ async def _deliver_unheard(pair: NetnsPair, prefill: SenderClient, decode: Recei
         push.layer(n)[:] = bytes([n + 1]) * SHAPE.layer_bytes
         push.commit(n)
     await asyncio.wait_for(push.wait_sent(last - 1), 30)
-    _deafen(pair, _control_port(pair))
+    _deafen_control_connection(pair)
     cut = time.monotonic()
     push.layer(last)[:] = bytes([last + 1]) * SHAPE.layer_bytes
     push.commit(last)

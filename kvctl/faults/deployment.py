@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..netns import DaemonProcess, Host, NetnsPair, receiver_config, scrape_in, sender_config
-from .wire import WireFaults, cut_data_path, heal_data_path
+from .wire import WireFaults, drop_inbound, undo_drop_inbound
 
 ROLES = ("receiver", "sender")
 
@@ -166,15 +166,11 @@ class NetnsDeployment:
 
     def cut_data(self, cut: bool) -> None:
         """Drop the data streams' packets as they reach decode (no reset), or stop."""
-        def run(argv: list[str]) -> tuple[int, str]:
-            done = subprocess.run(self.pair.argv(self.pair.decode, argv), capture_output=True,
-                                  text=True)
-            return done.returncode, done.stderr
-
+        run = self.pair.runner(self.pair.decode)
         if cut:
-            cut_data_path(run, [f"tcp dport {self.daemons['receiver'].config['data_port']}"])
+            drop_inbound(run, [f"tcp dport {self.daemons['receiver'].config['data_port']}"])
         else:
-            heal_data_path(run)
+            undo_drop_inbound(run)
 
     def supports(self, action: str) -> str | None:
         if action == "stall":

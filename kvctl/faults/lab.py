@@ -22,7 +22,7 @@ from ..lab.daemons import ServiceDaemon, receiver_config, sender_config
 from ..lab.machine import SHARED_DIR, LabError, LabState, exec_in, run_in
 from ..status import scrape
 from .deployment import EngineHandle
-from .wire import cut_data_path, heal_data_path
+from .wire import drop_inbound, undo_drop_inbound
 
 ENGINE_NODE = {"prefill": "prefill", "decode": "decode"}
 DAEMON_NODE = {"receiver": "decode", "sender": "prefill"}
@@ -231,9 +231,9 @@ class LabDeployment:
 
         if cut:
             port = self.daemons["receiver"].config.get("data_port", 7472)
-            cut_data_path(run, ["udp dport 4791", f"tcp dport {port}"])
+            drop_inbound(run, ["udp dport 4791", f"tcp dport {port}"])
         else:
-            heal_data_path(run)
+            undo_drop_inbound(run)
 
     def supports(self, action: str) -> str | None:
         return None

@@ -75,28 +75,29 @@ class WireFaults:
             "}\n"))
 
 
-DATA_CUT_TABLE = "kvwire_data_cut"
+DROP_TABLE = "kvwire_inbound_drop"
 # Runs a command on the node; its exit code and error output.
 Run = Callable[[list[str]], tuple[int, str]]
 
 
-def cut_data_path(run: Run, matches: list[str]) -> None:
+def drop_inbound(run: Run, matches: list[str]) -> None:
     """Drop, on arrival at a node, every packet that one of ``matches`` (nft
-    expressions such as ``tcp dport 7472``) selects: the data path goes silent
-    with no reset, and the control connection is left alone. One nft command
-    line, so that it needs no standard input (a lab node's commands have none)."""
-    heal_data_path(run)
-    commands = [f"add table inet {DATA_CUT_TABLE}",
-                f"add chain inet {DATA_CUT_TABLE} in {{ type filter hook input priority 0; }}",
-                *(f"add rule inet {DATA_CUT_TABLE} in {match} drop" for match in matches)]
+    expressions such as ``tcp dport 7472``) selects: that path goes silent,
+    no reset, and the rest is left alone (the data path cut with the control
+    connection healthy, say). One nft command line, so that it needs no
+    standard input (a lab node's commands have none)."""
+    undo_drop_inbound(run)
+    commands = [f"add table inet {DROP_TABLE}",
+                f"add chain inet {DROP_TABLE} in {{ type filter hook input priority 0; }}",
+                *(f"add rule inet {DROP_TABLE} in {match} drop" for match in matches)]
     code, err = run(["nft", "; ".join(commands)])
     if code != 0:
-        raise RuntimeError(f"nft data cut: {err.strip()}")
+        raise RuntimeError(f"nft drop {', '.join(matches)}: {err.strip()}")
 
 
-def heal_data_path(run: Run) -> None:
-    """Undo ``cut_data_path`` (a no-op when nothing is cut)."""
-    run(["nft", "delete", "table", "inet", DATA_CUT_TABLE])
+def undo_drop_inbound(run: Run) -> None:
+    """Undo ``drop_inbound`` (a no-op when nothing is dropped)."""
+    run(["nft", "delete", "table", "inet", DROP_TABLE])
 
 
 def _run(argv: list[str], what: str, stdin: str | None = None) -> None:
