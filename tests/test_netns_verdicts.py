@@ -30,7 +30,7 @@ from kvctl.netns import (
     sender_config,
 )
 from kvwired.client import Delivered, OutgoingPush, ReceiverClient, SenderClient
-from kvwired.errors import DaemonUnavailable
+from kvwired.errors import DaemonUnavailable, PeerLost
 from kvwired.layout import RequestShape
 
 _why_not = check_can_run()
@@ -143,3 +143,22 @@ async def test_an_engine_whose_sender_daemon_died_learns_the_verdict_from_its_su
         assert result.checksum == delivered.checksum
         assert result.timings["asked_after_restart"] == 1.0
         await decode.release("daemon-died")
+
+
+async def test_a_receiver_that_died_is_not_asked_for_the_heartbeats_bound(
+        pair: NetnsPair, daemons: tuple[DaemonProcess, DaemonProcess]) -> None:
+    """A refused connection means no receiver listens there, and one started
+    again keeps no verdicts: the sender stops asking at once rather than for
+    four heartbeats (the lab's watchdog scenario took 12.4 s to its error)."""
+    rx, tx = daemons
+    async with await SenderClient.connect(tx.socket) as prefill, \
+            await ReceiverClient.connect(rx.socket) as decode:
+        push, _, _ = await _deliver_unheard(pair, prefill, decode, "asked-too-late")
+        assert rx.process is not None
+        os.kill(rx.pid, signal.SIGKILL)
+        await asyncio.to_thread(rx.process.wait)
+        with pytest.raises(PeerLost):
+            await asyncio.wait_for(push.finish(), 60)
+    asked = [line for line in tx.log_path.read_text().splitlines()
+             if "no verdict from the receiver" in line]
+    assert asked and "Connection refused" in asked[-1], asked

@@ -527,6 +527,10 @@ class PeerLink:
                     except KvwireError as exc:
                         if not self.machine.usable:
                             raise  # retired: removed, or the sender is stopping
+                        if isinstance(exc.__cause__, ConnectionRefusedError):
+                            # No receiver process listens there: it died, and one
+                            # started again keeps no verdicts. Nothing to wait for.
+                            raise
                         log.debug("verdict not had yet", req=req, peer=self.name,
                                   error=str(exc))
                         # Reconnection backoff, as keep_connected's.
