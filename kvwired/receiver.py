@@ -101,6 +101,8 @@ class Lease:
     error: KvwireError | None = None  # why it was aborted, for subscribers
     # Senders asking how it ended (``ask``), woken once it is decided.
     deciding: list[asyncio.Future[None]] = field(default_factory=list)
+    # Reclaims it if nobody subscribes within unclaimed_ttl (one at a time).
+    unclaimed_timer: asyncio.TimerHandle | None = None
 
     @property
     def state(self) -> LeaseState:
@@ -776,6 +778,8 @@ class ReceiverDaemon(Daemon):
         elif action is LeaseAction.REVOKE_KEY:
             self._revoke_key(lease)
         elif action is LeaseAction.FREE:
+            if lease.unclaimed_timer is not None:
+                lease.unclaimed_timer.cancel()
             del self.leases[lease.id]
             self.free_lease_id(lease.id)
             if self.by_req.get(lease.req) is lease:
@@ -846,11 +850,16 @@ class ReceiverDaemon(Daemon):
             self._lease_event(lease, LeaseEvent.SESSION_LOST)
 
     def _reclaim_unclaimed_after(self, lease: Lease, ttl: float) -> None:
+        """From now, ``ttl`` for an engine to subscribe; an earlier timer is void
+        (an engine subscribed and let go since)."""
+        if lease.unclaimed_timer is not None:
+            lease.unclaimed_timer.cancel()
+
         def reclaim() -> None:
             if lease.state is LeaseState.HELD and not lease.claimed:
                 self._reclaim(lease, "unclaimed", f"no decode engine subscribed to it "
                               f"within unclaimed_ttl ({ttl:g} s)")
-        asyncio.get_running_loop().call_later(ttl, reclaim)
+        lease.unclaimed_timer = asyncio.get_running_loop().call_later(ttl, reclaim)
 
     def _reclaim(self, lease: Lease, reason: str, why: str) -> None:
         """Free a delivered request nobody will release (logged and counted once)."""

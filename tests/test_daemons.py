@@ -441,3 +441,24 @@ def test_kvctl_push_of_a_file_names_the_chunks_it_can_take(tmp_path: Path,
     assert code == 2  # kvctl's exit status for an error it explains
     assert "--chunk per-token needs the cache's tokens" in err and "--file" in err
     assert "--chunk per-layer or whole" in err and "KVLayout" not in err
+
+
+async def test_an_engine_that_subscribes_and_lets_go_again_restarts_the_unclaimed_wait(
+        local: LocalDaemons) -> None:
+    """Each time a request becomes unclaimed it gets a whole unclaimed_ttl: the
+    wait started when the first engine let go no longer counts."""
+    async with await SenderClient.connect(local.sender_socket) as prefill:
+        await prefill.push_bytes("passed-on", "decode", b"p" * 4096)
+    waits = []
+    for _ in range(2):
+        async with await ReceiverClient.connect(local.receiver_socket) as decode:
+            await decode.wait_delivered("passed-on", timeout=5)
+            await decode.unsubscribe("passed-on")
+        timer = local.receiver.by_req["passed-on"].unclaimed_timer
+        assert timer is not None
+        waits.append(timer)
+    assert waits[0].cancelled() and not waits[1].cancelled()
+    async with await ReceiverClient.connect(local.receiver_socket) as decode:
+        await decode.wait_delivered("passed-on", timeout=5)
+        await decode.release("passed-on")
+    assert waits[1].cancelled()  # freed: nothing is left to reclaim
