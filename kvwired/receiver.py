@@ -18,7 +18,7 @@ from typing import Protocol
 
 import structlog
 
-from . import checksum, gate, immediate, stripes
+from . import checksum, gate, immediate, stripes, verdicts
 from .config import CommonConfig, ReceiverConfig, parse_address
 from .control import ControlConnection
 from .daemon import Daemon
@@ -724,7 +724,7 @@ class ReceiverDaemon(Daemon):
     async def _answer_ask(self, session: SenderSession, req: str, lease_id: int) -> None:
         """Tell a sender how its lease ended; one still being decided (its old
         connection not yet seen gone, its checksum still being computed) is
-        answered once it is, within delivery_timeout on the sender's side."""
+        answered once it is (the sender bounds its own wait)."""
         loop = asyncio.get_running_loop()
         lease = self.leases.get(lease_id)
         if (lease is not None and lease.req == req and lease.session.name == session.name
@@ -734,19 +734,9 @@ class ReceiverDaemon(Daemon):
             await decided
         verdict = self.verdicts.lookup(session.name, req, lease_id, loop.time())
         log.info("sender asked how a request ended", req=req, sender=session.name,
-                 verdict="unknown" if verdict is None else
-                 "delivered" if verdict.delivered else "aborted")
-        if not session.alive:
-            return
-        if verdict is None:
-            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="unknown"))
-        elif verdict.delivered:
-            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="delivered",
-                                      checksum=verdict.checksum))
-        else:
-            assert verdict.error is not None
-            session.conn.send(message("verdict", req=req, lease=lease_id, outcome="aborted",
-                                      error=verdict.error.to_wire()))
+                 verdict=verdicts.outcome(verdict))
+        if session.alive:
+            session.conn.send(verdicts.to_message(req, lease_id, verdict))
 
     def _withdrawn(self, session: SenderSession, req: str, error: KvwireError) -> None:
         """A request the sender gave up before leasing it: its engines hear why."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .errors import KvwireError
+from .errors import KvwireError, RequestAborted, from_wire
+from .protocol import Message, message
 
 VERDICT_TTL = 600.0  # seconds a verdict is kept: far past any reconnect and deadline
 MAX_VERDICTS = 65536  # at most this many are kept; the oldest go first
@@ -30,6 +31,37 @@ class Verdict:
     delivered: bool
     checksum: int = 0
     error: KvwireError | None = None
+
+
+def outcome(verdict: Verdict | None) -> str:
+    """The ``verdict`` message's ``outcome`` for it (None: not known here)."""
+    if verdict is None:
+        return "unknown"
+    return "delivered" if verdict.delivered else "aborted"
+
+
+def to_message(req: str, lease: int, verdict: Verdict | None) -> Message:
+    """The receiver's answer to ``ask``."""
+    if verdict is None:
+        return message("verdict", req=req, lease=lease, outcome="unknown")
+    if verdict.delivered:
+        return message("verdict", req=req, lease=lease, outcome="delivered",
+                       checksum=verdict.checksum)
+    assert verdict.error is not None, "an aborted verdict keeps its reason"
+    return message("verdict", req=req, lease=lease, outcome="aborted",
+                   error=verdict.error.to_wire())
+
+
+def from_message(msg: Message) -> Verdict | None:
+    """A ``verdict`` message (validated by the schema) as a Verdict; None for
+    ``unknown``."""
+    if msg["outcome"] == "unknown":
+        return None
+    if msg["outcome"] == "delivered":
+        return Verdict(msg["lease"], True, checksum=msg.get("checksum") or 0)
+    error = msg.get("error")
+    return Verdict(msg["lease"], False, error=from_wire(error) if error is not None
+                   else RequestAborted(f"request {msg['req']} was aborted"))
 
 
 class VerdictBook:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwired.errors import RequestAborted
-from kvwired.verdicts import Verdict, VerdictBook
+from kvwired.protocol import CONTROL, validate
+from kvwired.verdicts import Verdict, VerdictBook, from_message, outcome, to_message
 
 
 def test_a_verdict_is_found_by_sender_request_and_lease() -> None:
@@ -45,3 +47,17 @@ def test_the_book_never_holds_more_than_its_limit_and_keeps_the_newest(
         assert len(book) <= limit
         # The one just recorded is always there, whatever was evicted.
         assert book.lookup(sender, req, lease, now=now) == Verdict(lease, True)
+
+
+@pytest.mark.parametrize("verdict", [
+    None, Verdict(3, True, checksum=(1 << 64) - 1),
+    Verdict(4, False, error=RequestAborted("the decode engine released request r early"))])
+def test_a_verdict_crosses_the_wire_as_it_was_kept(verdict: Verdict | None) -> None:
+    msg = validate(to_message("r", 3 if verdict is None else verdict.lease, verdict), CONTROL)
+    back = from_message(msg)
+    assert outcome(back) == outcome(verdict) == msg["outcome"]
+    if verdict is not None and back is not None:
+        assert (back.lease, back.delivered, back.checksum) == (
+            verdict.lease, verdict.delivered, verdict.checksum)
+        assert type(back.error) is type(verdict.error)
+        assert str(back.error) == str(verdict.error)

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from .. import verdicts
 from ..errors import (
     DaemonUnavailable,
     DuplicateRequest,
@@ -118,20 +119,21 @@ class EngineSession:
         the engine committed every layer): the receiver's verdict, as its
         ``finished`` or ``failed``, so the engine never guesses."""
         try:
-            verdict = await self._ask_verdict(req, peer, lease)
+            answer = await self._ask_verdict(req, peer, lease)
         except KvwireError as exc:
             self.send(message("failed", req=req, error=exc.to_wire()))
             return
-        if verdict is not None and verdict["outcome"] == "delivered":
-            self.send(message("finished", req=req, checksum=verdict["checksum"],
+        verdict = None if answer is None else verdicts.from_message(answer)
+        if verdict is not None and verdict.delivered:
+            self.send(message("finished", req=req, checksum=verdict.checksum,
                               timings={"late": 0.0, "asked_after_restart": 1.0}))
-        elif verdict is not None and verdict["outcome"] == "aborted":
-            self.send(message("failed", req=req, error=verdict["error"]))
+        elif verdict is not None and verdict.error is not None:
+            self.send(message("failed", req=req, error=verdict.error.to_wire()))
         else:
             self.send(message("failed", req=req, error=DaemonUnavailable(
                 f"the sender daemon stopped while request {req} was in flight, and "
                 f"receiver {peer} " + ("has no record of it: it was not delivered"
-                                       if verdict is not None else "could not be asked"),
+                                       if answer is not None else "could not be asked"),
                 hint="push it again").to_wire()))
 
     def _run(self, msg: Message) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .. import immediate, stripes
+from .. import immediate, stripes, verdicts
 from ..config import SenderConfig
 from ..errors import (
     DeadlineExceeded,
@@ -31,7 +31,6 @@ from ..errors import (
     RequestAborted,
     TransportError,
     UsageError,
-    from_wire,
     internal_error,
 )
 from ..layout import ChunkCursor, RequestShape
@@ -431,21 +430,22 @@ class PushDriver:
                                     VERDICT_HEARTBEATS * self.config.heartbeat)
         if push.state is not PushState.ASKING:
             return
-        outcome = "unknown" if answer is None else answer["outcome"]
+        verdict = None if answer is None else verdicts.from_message(answer)
         log.info("receiver's verdict after a lost link", req=push.req, peer=link.name,
-                 verdict=outcome)
-        if answer is None or outcome == "unknown":
+                 verdict=verdicts.outcome(verdict))
+        if verdict is None:
             push.event(PushEvent.VERDICT_UNKNOWN)
-        elif outcome == "delivered":
+        elif verdict.delivered:
             if push.error is lost:
                 push.error = None  # the lost link did not stop it: not late
-            push.delivered(answer["checksum"])
+            push.delivered(verdict.checksum)
         else:
-            reason = from_wire(answer["error"])
+            reason = verdict.error
             # Aborted because the connection was lost: our own account of that
             # loss (a stalled channel, a deadline) says more than the receiver's.
             if isinstance(reason, PeerLost) and push.error is not None:
                 reason = push.error
+            assert reason is not None, "an aborted verdict keeps its reason"
             push.fail(reason, by_receiver=True)
 
     def _ended(self, push: Push) -> None:
