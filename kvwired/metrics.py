@@ -146,6 +146,12 @@ class Metrics:
             "kvwire_rail_errors_total", "data channels failed per rail, by status (sender)",
             ["peer", "rail", "status"], registry=r,
         )
+        self.channel_replacements = Counter(
+            "kvwire_channel_replacements_total",
+            "data channels replaced under a live control connection, their lost writes "
+            "posted again (replaced), or not (failed: the link went down) (sender)",
+            ["peer", "result"], registry=r,
+        )
         self.reconnects = Counter(
             "kvwire_reconnects_total",
             "control and data connections to a receiver rebuilt after the first",
@@ -227,7 +233,7 @@ class Metrics:
         for metric in (self.bytes, self.writes, self.post_seconds, self.wait_seconds,
                        self.completion_errors, self.reconnects, self.requests,
                        self.request_seconds, self.rail_bytes, self.rail_writes,
-                       self.rail_errors):
+                       self.rail_errors, self.channel_replacements):
             for labels in list(metric._metrics):  # prometheus_client keeps no public list
                 if labels and labels[0] == peer:
                     metric.remove(*labels)

@@ -33,7 +33,7 @@ from .errors import (
     VersionMismatch,
 )
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 # An engine's ``peer`` that lets the sender choose (discovery: the connected
 # receiver with the most free pool). No receiver may be named so.
 AUTO_PEER = "auto"
@@ -110,6 +110,19 @@ def _keys(value: Any) -> str | None:
     return None
 
 
+def _lease_keys(value: Any) -> str | None:
+    if len(value) >= immediate.LEASE_SPACE:
+        return f"{len(value)} pairs, more than there are leases"
+    for pair in value:
+        if (not isinstance(pair, list) or len(pair) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in pair)):
+            return f"{pair!r} is not a [lease, key] pair of integers"
+        lease, key = pair
+        if not 1 <= lease < immediate.LEASE_SPACE or not 0 <= key < 1 << 32:
+            return f"{pair!r}: lease or key out of range"
+    return None
+
+
 def _names(value: Any) -> str | None:
     if len(value) > 16 or not all(isinstance(v, str) and 0 < len(v) <= 64 for v in value):
         return "not a list of at most 16 short names"
@@ -155,6 +168,16 @@ CONTROL: Schema = {
     # (qps_per_peer), each answered by its ``ready``.
     "connect": {"params": DICT},
     "ready": {"params": DICT},
+    # A data channel that failed under a live control connection, replaced in
+    # place: the receiver's new responder for it, and new keys for the
+    # leases that still take writes, as [lease, key] pairs (the old keys died
+    # with the old responder).
+    "replace": {"req": REQ, "channel": _f(int, check=_int_range(0, stripes.MAX_CHANNELS - 1),
+                                          expected=f"a data channel in 0.."
+                                                   f"{stripes.MAX_CHANNELS - 1}"),
+                "params": DICT},
+    "replaced": {"req": REQ, "params": DICT, "keys": _f(list, check=_lease_keys,
+                                                         expected="[lease, key] pairs")},
     # discard=1: an experiment's request, freed as soon as it is delivered.
     "open": {"req": REQ, "shape": SHAPE, "discard": FLAG},
     # keys: the remote keys for this lease's bytes alone, one per data
@@ -201,8 +224,8 @@ CONTROL: Schema = {
 }
 
 # What a receiver sends in answer to a sender's request (matched by ``req``).
-CONTROL_ANSWERS = frozenset({"lease", "refused", "verdict", "echo_offer", "echo_ready",
-                             "baseline_ready"})
+CONTROL_ANSWERS = frozenset({"lease", "refused", "verdict", "replaced", "echo_offer",
+                             "echo_ready", "baseline_ready"})
 
 # Prefill engine <-> sender daemon, over the sender's unix socket.
 SENDER_LOCAL: Schema = {

@@ -20,7 +20,7 @@ import structlog
 
 from . import checksum, gate, immediate, stripes, verdicts
 from .config import CommonConfig, ReceiverConfig, parse_address
-from .control import ControlConnection
+from .control import MISSED_PINGS, ControlConnection
 from .daemon import Daemon
 from .discovery.membership import Member
 from .errors import (
@@ -34,6 +34,7 @@ from .errors import (
     RequestAborted,
     RequestRefused,
     RequestTooLarge,
+    TransportError,
     UsageError,
     from_wire,
 )
@@ -128,6 +129,9 @@ class SenderSession:
     credits_to_return: dict[int, int] = field(default_factory=dict)
     alive: bool = True
     writes_counted: int = 0
+    # Channels whose responder failed, each waiting (a timer, the stall bound)
+    # for the sender to replace it before the whole session is dropped.
+    broken: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
 
     @property
     def responder(self) -> Responder | None:
@@ -428,13 +432,75 @@ class ReceiverDaemon(Daemon):
                 f"sender {session.name} asked for data channel {channel + 1}; at most "
                 f"{stripes.MAX_CHANNELS} are served",
                 hint=f"set qps_per_peer to at most {stripes.MAX_CHANNELS}")
-        responder = self.transport.responder(
-            session.conn.local_host,
-            lambda imm: self._on_immediate(session, channel, imm),
-            lambda exc: self._on_data_error(session, exc),
-        )
+        responder = self._responder(session, channel)
         session.responders.append(responder)
         session.conn.send(message("ready", params=await responder.accept(connect["params"])))
+
+    def _responder(self, session: SenderSession, channel: int) -> Responder:
+        """A responder reporting as data channel ``channel`` of ``session``."""
+        responder: Responder | None = None
+
+        def failed(exc: Exception) -> None:
+            assert responder is not None
+            self._on_data_error(session, channel, responder, exc)
+        responder = self.transport.responder(
+            session.conn.local_host, lambda imm: self._on_immediate(session, channel, imm),
+            failed)
+        return responder
+
+    async def _replace_channel(self, session: SenderSession, msg: Message) -> None:
+        """The sender replaces data channel ``channel`` (its end failed while the
+        control connection lives: kvwired.sender.ledger): a new responder takes
+        its place, the old one is closed (no write under its keys can land any
+        more), and every lease that still takes writes gets a key on the new
+        one. A lease being revoked meanwhile gets none: its new key, never
+        disclosed, is revoked at once."""
+        channel = msg["channel"]
+        req = msg["req"]
+        if channel >= len(session.responders):
+            error = ProtocolError(f"sender {session.name} replaced data channel {channel}; "
+                                  f"its session has {len(session.responders)}")
+            session.conn.send(message("refused", req=req, error=error.to_wire()))
+            return
+        responder = self._responder(session, channel)
+        try:
+            params = await responder.accept(msg["params"])
+        except KvwireError as exc:
+            log.warning("data channel not replaced", sender=session.name, channel=channel,
+                        error=str(exc))
+            if session.alive:
+                session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            return
+        if not session.alive:
+            responder.close()
+            return
+        old = session.responders[channel]
+        session.responders[channel] = responder
+        old.close()
+        if (timer := session.broken.pop(channel, None)) is not None:
+            timer.cancel()
+        # Credits the old responder's receives earned are void: the sender
+        # starts the new channel with a full set.
+        session.credits_to_return.pop(channel, None)
+        self.metrics.channel_replacements.labels(session.label, "replaced").inc()
+        live = [self.leases[i] for i in sorted(session.leases)
+                if self.leases[i].key_state == "live"]
+        keys: list[list[int]] = []
+        for lease in live:
+            try:
+                key = await responder.grant(lease.slot.offset, lease.shape.total_bytes)
+            except KvwireError:
+                continue  # the new responder failed too: the sender hears so from it
+            if (lease.key_state == "live" and self.leases.get(lease.id) is lease
+                    and session.responders[channel] is responder):
+                lease.keys[channel] = key
+                keys.append([lease.id, key])
+            else:
+                responder.revoke(key, lambda: None)
+        log.info("data channel replaced", sender=session.name, channel=channel,
+                 leases=len(keys))
+        if session.alive:
+            session.conn.send(message("replaced", req=req, params=params, keys=keys))
 
     async def _connect_more(self, session: SenderSession, msg: Message) -> None:
         try:
@@ -478,6 +544,8 @@ class ReceiverDaemon(Daemon):
             spawn(self._open(session, msg), f"open-{msg['req']}")
         elif kind == "connect":
             spawn(self._connect_more(session, msg), "connect")
+        elif kind == "replace":
+            spawn(self._replace_channel(session, msg), f"replace-{msg['channel']}")
         elif kind in ("abort", "abort_ack"):
             # A lease this sender no longer holds is one we already freed: the
             # message crossed ours. Anything else out of turn breaks the protocol.
@@ -537,21 +605,16 @@ class ReceiverDaemon(Daemon):
             if not isinstance(error, DuplicateRequest):  # theirs is the request we hold
                 self._tell_refused(req, error)
             return
-        responders = list(session.responders)
-        assert responders, "a session has its first responder from the handshake"
-        keys: list[int] = []
         try:
-            for responder in responders:
-                keys.append(await responder.grant(slot.offset, shape.total_bytes))
+            keys = await self._grant_keys(session, slot.offset, shape.total_bytes)
         except KvwireError as exc:
-            self._revoke_keys(responders, keys, lambda: self._give_back(
-                session.name, slot, shape.total_bytes))
+            self._give_back(session.name, slot, shape.total_bytes)
             if session.alive:
                 session.conn.send(message("refused", req=req, error=exc.to_wire()))
             self._tell_refused(req, exc)
             return
         if not session.alive or req in self.by_req:
-            self._revoke_keys(responders, keys, lambda: self._give_back(
+            self._revoke_keys(session.responders, keys, lambda: self._give_back(
                 session.name, slot, shape.total_bytes))
             if session.alive:
                 session.conn.send(message("refused", req=req, error=DuplicateRequest(
@@ -570,6 +633,30 @@ class ReceiverDaemon(Daemon):
         self.update_pool_metrics()
         session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset,
                                   keys=keys))
+
+    async def _grant_keys(self, session: SenderSession, offset: int, length: int
+                          ) -> list[int]:
+        """A key per data channel for ``length`` bytes at ``offset``, all from the
+        session's current responders: a channel replaced while they were being
+        granted leaves a dead key, so they are granted again (a few times)."""
+        for _ in range(3):
+            responders = list(session.responders)
+            assert responders, "a session has its first responder from the handshake"
+            keys: list[int] = []
+            try:
+                for responder in responders:
+                    keys.append(await responder.grant(offset, length))
+            except KvwireError:
+                self._revoke_keys(responders, keys, lambda: None)
+                if any(a is not b for a, b in zip(responders, session.responders,
+                                                  strict=True)):
+                    continue  # granted on a responder replaced meanwhile
+                raise
+            if all(a is b for a, b in zip(responders, session.responders, strict=True)):
+                return keys
+            self._revoke_keys(responders, keys, lambda: None)  # never disclosed
+        raise TransportError(f"the data channels of sender {session.name} kept being "
+                             "replaced while a lease was granted")
 
     @staticmethod
     def _quota_limit(config: ReceiverConfig) -> int | None:
@@ -686,12 +773,31 @@ class ReceiverDaemon(Daemon):
                        length=lease.shape.total_bytes, layers=lease.shape.layers,
                        checksum=lease.checksum)
 
-    def _on_data_error(self, session: SenderSession, exc: Exception) -> None:
-        log.warning("data path failed", sender=session.name, error=str(exc))
-        if session.alive:
-            self.metrics.completion_errors.labels(
-                session.label, getattr(exc, "status", "transport_error")).inc()
-        session.conn.close()  # ends the session loop, which drops the session
+    def _on_data_error(self, session: SenderSession, channel: int, responder: Responder,
+                       exc: Exception) -> None:
+        """A responder failed. A write under a wrong key ends the session; any
+        other failure is the wire's, which the sender rides out by replacing
+        the channel (``replace``): the session waits for that for the stall
+        bound, the time a silent peer gets, then is dropped."""
+        if not session.alive or channel >= len(session.responders) \
+                or session.responders[channel] is not responder:
+            return  # replaced already, or the session is gone
+        status = getattr(exc, "status", "transport_error")
+        log.warning("data path failed", sender=session.name, channel=channel, error=str(exc))
+        self.metrics.completion_errors.labels(session.label, status).inc()
+        if status == "remote_access" or channel in session.broken:
+            session.conn.close()  # ends the session loop, which drops the session
+            return
+        bound = self.config.heartbeat * MISSED_PINGS
+
+        def not_replaced() -> None:
+            session.broken.pop(channel, None)
+            if session.alive and session.responders[channel] is responder:
+                log.warning("failed data channel not replaced", sender=session.name,
+                            channel=channel, waited=bound)
+                self.metrics.channel_replacements.labels(session.label, "failed").inc()
+                session.conn.close()
+        session.broken[channel] = asyncio.get_running_loop().call_later(bound, not_replaced)
 
     # --------------------------------------------------- lease bookkeeping
 
@@ -826,6 +932,9 @@ class ReceiverDaemon(Daemon):
         if not session.alive:
             return
         session.alive = False
+        for timer in session.broken.values():
+            timer.cancel()
+        session.broken.clear()
         self.sessions.discard(session)
         self.metrics.peers.set(len(self.sessions))
         for responder in session.responders:

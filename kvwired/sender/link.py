@@ -42,6 +42,7 @@ from ..rails import RailHealth
 from ..tasks import spawn
 from ..transport.base import DataChannel, Transport, Write
 from ..trust import Trust
+from .ledger import PostLedger
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -50,6 +51,12 @@ log = structlog.get_logger("kvwired.sender")
 Undo = Callable[[Message], Message | None]
 
 RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
+# Failures of one data channel that its replacement can ride out: the wire
+# lost packets for longer than the queue pair's retries, or the stream broke.
+# A write under a wrong key (remote_access) is a bug or an attack: never
+# ridden out; a rail that failed its probe is left out by the rail logic.
+REPLACEABLE = frozenset({"retry_exceeded", "rnr_retry_exceeded", "connection_lost",
+                         "stalled", "transport_error"})
 
 
 def rail_label(rail: str) -> str:
@@ -84,6 +91,12 @@ class PeerLink:
         self.credits: list[int] = []  # per channel: immediates it may still post
         self.rails: list[str] = []  # per channel: its RDMA device ("": the control path's)
         self.rail_health = RailHealth()
+        # Posts not yet placed, per channel: a replaced channel posts them again.
+        self.ledger = PostLedger()
+        self._replacements: dict[int, asyncio.Task[None]] = {}
+        self._keys: dict[int, list[int]] = {}  # by lease: its keys, one per channel
+        self._welcome_credits = 0  # each new channel's receives
+        self._control_lost = False  # the control connection ended: nothing to replace on
         self._credit_freed = asyncio.Event()
         self._lock = asyncio.Lock()
         # Requests to the receiver awaiting their answer, by request id.
@@ -102,6 +115,8 @@ class PeerLink:
         for status in ("connection_lost", "retry_exceeded", "rnr_retry_exceeded",
                        "remote_access", "stalled"):
             metrics.completion_errors.labels(name, status)
+        for result in ("replaced", "failed"):
+            metrics.channel_replacements.labels(name, result)
 
     @property
     def channel(self) -> DataChannel | None:
@@ -110,9 +125,12 @@ class PeerLink:
 
     @property
     def connected(self) -> bool:
+        """Up, with every data channel alive or being replaced."""
         return (self.machine.state in (LinkState.UP, LinkState.RETIRING)
                 and self.conn is not None and not self.conn.closed
-                and bool(self.channels) and all(c.alive for c in self.channels))
+                and bool(self.channels)
+                and all(c.alive or n in self._replacements
+                        for n, c in enumerate(self.channels)))
 
     @property
     def retired(self) -> bool:
@@ -183,7 +201,9 @@ class PeerLink:
         would ever end the push. A channel with writes pending and none
         completing for ``stall_bound`` is declared stalled; its posts fail,
         the link drops, the receiver frees the link's undelivered leases, and
-        every push on it ends with that error (or its deadline's).
+        every push on it ends with that error (or its deadline's). With a
+        smaller ``bound`` (a push draining after its deadline) the channel is
+        replaced instead, as any other failed channel (``_channel_failed``).
         """
         now = time.monotonic()
         bound = self.stall_bound if bound is None else bound
@@ -197,8 +217,9 @@ class PeerLink:
             log.warning("data channel stalled", peer=self.name, channel=number,
                         seconds=round(stalled, 1), pending=channel.pending_writes)
             channel.fail(error)
-            self.lost(PeerLost(f"receiver {self.name}: {error.message}", hint=error.hint,
-                               status=error.status))
+            if number not in self._replacements:
+                self.lost(PeerLost(f"receiver {self.name}: {error.message}", hint=error.hint,
+                                   status=error.status))
             return
 
     async def ensure(self) -> None:
@@ -279,7 +300,12 @@ class PeerLink:
             raise
         self.conn = conn
         self.channels, self.rails = channels, rails
-        self.credits = [int(welcome["credits"])] * len(channels)
+        self._welcome_credits = int(welcome["credits"])
+        self.credits = [self._welcome_credits] * len(channels)
+        self.ledger.reset(len(channels))
+        self._control_lost = False
+        for number, channel in enumerate(channels):
+            self._watch(number, channel)
         if self.ever_connected:
             self.metrics.reconnects.labels(self.name).inc()
         self.ever_connected = True
@@ -362,7 +388,6 @@ class PeerLink:
                 raise RailFailed(f"rail {rail} to receiver {self.name} failed its probe: "
                                  f"{exc or 'no completion'}", rail=rail) from exc
             self.rail_health.proven(rail)
-        channel.on_failure = lambda error: self._count_failure(error, rail)
         for status in ("connection_lost", "retry_exceeded", "remote_access"):
             self.metrics.rail_errors.labels(self.name, rail_label(rail), status)
         return channel
@@ -387,6 +412,98 @@ class PeerLink:
         self.metrics.peers.inc()
         self._counted = True
 
+    # ------------------------------------------------ posts and replacement
+
+    def post(self, number: int, writes: list[Write], imm: int | None, lease: int
+             ) -> asyncio.Future[None]:
+        """Post ``writes`` on data channel ``number`` under ``lease``'s key there.
+        The future ends when they are placed, on this channel or on the one
+        that replaces it if it fails (kvwired.sender.ledger), or fails when
+        the link does."""
+        keys = self._keys.get(lease)
+        if keys is None:
+            raise PeerLost(f"lease {lease} is not held on the link to receiver {self.name}")
+        return self.ledger.post(number, self.channels[number], writes, imm, lease,
+                                keys[number])
+
+    def _watch(self, number: int, channel: DataChannel) -> None:
+        channel.on_failure = lambda error: self._channel_failed(number, channel, error)
+
+    def _channel_failed(self, number: int, channel: DataChannel, error: Exception) -> None:
+        """Data channel ``number`` failed: counted; replaced under a live control
+        connection if its failure is one a new channel can ride out
+        (``_replace``); otherwise its posts fail and the link goes down."""
+        rail = self.rails[number] if number < len(self.rails) else ""
+        self._count_failure(error, rail)
+        if self._replaceable(channel, error) and number not in self._replacements:
+            self.ledger.replacing.add(number)
+            self.credits[number] = 0
+            self._replacements[number] = spawn(
+                self._replace(number, channel, error), f"replace-{self.name}-{number}")
+
+    def _replaceable(self, channel: DataChannel, error: Exception) -> bool:
+        """A channel is replaced while the peer is known to be there (the control
+        connection is up), the failure is the wire's (REPLACEABLE), and the
+        channel placed something within the stall bound, counting the
+        channels it replaced: a path that carries nothing for that long is
+        given up, as a silent peer is."""
+        status = error.status if isinstance(error, KvwireError) else "transport_error"
+        return (not self._control_lost and self.conn is not None and not self.conn.closed
+                and self.machine.state in (LinkState.UP, LinkState.RETIRING)
+                and status in REPLACEABLE and channel in self.channels
+                and channel.silent_for(time.monotonic()) <= self.stall_bound)
+
+    async def _replace(self, number: int, failed: DataChannel, error: Exception) -> None:
+        """A new channel in place of ``failed``, under the same control connection:
+        offer, the receiver's ``replaced`` (its new responder, and new keys for
+        every lease that still takes writes, the old ones revoked with the old
+        responder), complete; then the lost posts go again, in order."""
+        conn, rail = self.conn, self.rails[number]
+        assert conn is not None
+        cause = error.message if isinstance(error, KvwireError) else str(error)
+        log.warning("replacing a data channel", peer=self.name, channel=number,
+                    rail=rail_label(rail), error=cause)
+        initiator = self.transport.initiator(conn.local_host, rail)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                params = await initiator.offer()
+                answer = await self.request(message(
+                    "replace", req=f"replace-{number}-{time.monotonic_ns()}",
+                    channel=number, params=params))
+                channel = await initiator.complete(answer["params"])
+        except (KvwireError, TimeoutError) as exc:
+            initiator.abandon()
+            self.metrics.channel_replacements.labels(self.name, "failed").inc()
+            if self.conn is conn:
+                del self._replacements[number]
+                self.lost(PeerLost(
+                    f"data channel {number} to receiver {self.name} failed ({cause}) and "
+                    f"could not be replaced: {exc or 'no answer in time'}",
+                    hint=getattr(error, "hint", ""),
+                    status=getattr(error, "status", "connection_lost")))
+            return
+        except asyncio.CancelledError:
+            initiator.abandon()
+            raise
+        if self.conn is not conn:
+            channel.close()  # the link went down meanwhile
+            return
+        self.channels[number] = channel
+        self._watch(number, channel)
+        keys = {int(lease): int(key) for lease, key in answer["keys"]}
+        for lease, key in keys.items():
+            if (held := self._keys.get(lease)) is not None:
+                held[number] = key
+        immediates = self.ledger.repost(number, channel, keys)
+        channel.inherit_silence(failed)
+        del self._replacements[number]
+        self.credits[number] = max(0, self._welcome_credits - immediates)
+        self._credit_freed.set()
+        self.failure = None
+        self.metrics.channel_replacements.labels(self.name, "replaced").inc()
+        log.info("data channel replaced", peer=self.name, channel=number,
+                 rail=rail_label(rail), reposted=immediates, leases=len(keys))
+
     def _count_failure(self, error: Exception, rail: str) -> None:
         status = error.status if isinstance(error, KvwireError) else "transport_error"
         self.metrics.completion_errors.labels(self.name, status).inc()
@@ -409,6 +526,7 @@ class PeerLink:
 
     def _connection_ended(self, conn: ControlConnection, error: KvwireError) -> None:
         if self.conn is conn:
+            self._control_lost = True  # its channels fail with it: none is replaced
             log.warning("receiver connection lost", peer=self.name, error=str(error))
             ending = error if isinstance(error, PeerLost) else PeerLost(
                 f"receiver {self.name}: {error}")
@@ -560,7 +678,9 @@ class PeerLink:
         self._add_credits(1, 0)
 
     def _add_credits(self, n: int, channel: int) -> None:
-        if channel < len(self.credits):
+        # Credits of a channel being replaced are its old receives': the new
+        # channel starts with receives of its own (``_replace``).
+        if channel < len(self.credits) and channel not in self._replacements:
             self.credits[channel] += n
         self._credit_freed.set()
 
@@ -576,11 +696,16 @@ class PeerLink:
                 self._credit_freed = asyncio.Event()
         self.credits[channel] -= 1
 
-    def attach(self, lease: int, holder: LeaseHolder) -> None:
+    def attach(self, lease: int, holder: LeaseHolder, keys: list[int] | None = None) -> None:
+        """``holder`` holds ``lease``; ``keys`` (one per channel, changed in place
+        when a channel is replaced and the receiver grants new ones)."""
         self.holders[lease] = holder
+        if keys is not None:
+            self._keys[lease] = keys
 
     def detach(self, lease: int) -> None:
         self.holders.pop(lease, None)
+        self._keys.pop(lease, None)
 
     def lost(self, error: KvwireError) -> None:
         """The connection broke: fail everything in flight on it and forget it."""
@@ -590,6 +715,11 @@ class PeerLink:
     def _close_connection(self) -> None:
         conn, channels = self.conn, self.channels
         self.conn, self.channels, self.credits, self.rails = None, [], [], []
+        replacements, self._replacements = self._replacements, {}
+        for task in replacements.values():
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.ledger.fail_all(self._ending)
         if conn is not None:
             conn.close()
         for channel in channels:

@@ -59,7 +59,9 @@ class Push:
     staging: Slot
     lease: int
     remote_offset: int
-    keys: list[int]  # the receiver's keys for this lease's bytes alone, one per channel
+    # The receiver's keys for this lease's bytes alone, one per channel (a
+    # replaced channel's is changed in place: PeerLink._replace).
+    keys: list[int]
     opened_at: float
     granted_at: float
     driver: PushDriver
@@ -183,7 +185,7 @@ class PushDriver:
             raise error from None
         self.pushes[req] = push
         self.holding.add(push)
-        link.attach(push.lease, push)
+        link.attach(push.lease, push, push.keys)
         self.update_pool_metrics()
         if deadline is not None:
             push.deadline = opened_at + deadline
@@ -265,7 +267,7 @@ class PushDriver:
                     # A channel with no chunk of this batch still announces it.
                     writes = ([Write(base_local + c.offset, base_remote + c.offset, c.length)
                                for c in group] or [Write(base_local, base_remote, 0)])
-                    parts.append(link.channels[number].post(writes, imm, push.keys[number]))
+                    parts.append(link.post(number, writes, imm, push.lease))
                     rail = rail_label(link.rails[number])
                     self.metrics.rail_bytes.labels(link.name, rail).inc(
                         sum(c.length for c in group))

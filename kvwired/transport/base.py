@@ -90,6 +90,7 @@ class DataChannel(ABC):
     # When a write last completed, or writes became pending on an idle channel:
     # what ``stalled_for`` measures from.
     _progress_at: float = 0.0
+    _busy_when_failed = False  # it had writes pending when it failed
 
     def _posting(self) -> None:
         """Called by ``post`` before it queues: an idle channel starts its clock."""
@@ -109,6 +110,21 @@ class DataChannel(ABC):
             return 0.0
         return max(0.0, now - self._progress_at)
 
+    def silent_for(self, now: float) -> float:
+        """Like ``stalled_for``, but frozen at the failure: how long the channel
+        had writes pending and placed none, up to ``now`` or until it failed
+        (0 if it was idle). What decides whether a replacement is worth it."""
+        busy = self.pending_writes > 0 if self._error is None else self._busy_when_failed
+        return max(0.0, now - self._progress_at) if busy else 0.0
+
+    def inherit_silence(self, replaced: DataChannel) -> None:
+        """This channel replaces ``replaced`` and took over its writes: the
+        silence goes on counting from the old channel's last progress, so a
+        path that stays dead is given up after the stall bound, however many
+        times its channel is replaced."""
+        if self.pending_writes > 0 and replaced.silent_for(time.monotonic()) > 0:
+            self._progress_at = replaced._progress_at
+
     def report_failure(self, error: Exception) -> None:
         if self.on_failure is not None:
             handler, self.on_failure = self.on_failure, None
@@ -117,6 +133,7 @@ class DataChannel(ABC):
     def fail(self, error: TransportError, quiet: bool = False) -> None:
         if self._error is not None:
             return
+        self._busy_when_failed = self.pending_writes > 0
         self._error = error
         if not quiet:
             log.warning("data channel failed", transport=self.kind, error=str(error))
