@@ -61,6 +61,11 @@ class CommonConfig:
     poll_spin_us: float = _opt(
         0.0, "verbs: keep polling completions this long after activity before sleeping on "
         "the completion channel (0: never spin; see benchmarks/completion_path.py)")
+    ack_timeout: int = _opt(
+        14, "verbs: local ACK timeout of the queue pairs, 4.096 us x 2^n before an "
+        "unacknowledged write is sent again (14: 67 ms). rdma_rxe recovers lost packets by "
+        "this timer, so a lossy Soft-RoCE wire wants 10 (4 ms); hardware recovers them at "
+        "once and keeps 14 or more")
     metrics: str = _opt(
         "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
     )
@@ -296,6 +301,9 @@ def _check(config: CommonConfig) -> None:
         raise ConfigError("handshake_timeout must be a positive number of seconds")
     if config.heartbeat <= 0:
         raise ConfigError("heartbeat must be a positive number of seconds")
+    if not 1 <= config.ack_timeout <= 31:
+        raise ConfigError(f"ack_timeout {config.ack_timeout} is not an exponent in 1..31",
+                          hint="the ACK timeout is 4.096 us x 2^ack_timeout: 14 is 67 ms")
     parse_address(config.metrics, 0)
     if config.auth not in ("tls", "none"):
         raise ConfigError(f"auth {config.auth!r}: use tls or none")

@@ -193,6 +193,7 @@ class ReceiverDaemon(Daemon):
         self.transport: Transport = make_transport(TransportOptions(
             name=config.transport, rdma_device=config.rdma_device,
             gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
+            ack_timeout=config.ack_timeout,
             receive_depth=config.credits, listen_host=parse_address(config.listen, 7471)[0],
             data_port=config.data_port, listen_at_start=True, per_lease_keys=True,
             door=Gate("data", self.metrics.auth_failures, config.handshake_timeout)))
@@ -462,6 +463,7 @@ class ReceiverDaemon(Daemon):
                                   f"its session has {len(session.responders)}")
             session.conn.send(message("refused", req=req, error=error.to_wire()))
             return
+        began = asyncio.get_running_loop().time()
         responder = self._responder(session, channel)
         try:
             params = await responder.accept(msg["params"])
@@ -498,7 +500,8 @@ class ReceiverDaemon(Daemon):
             else:
                 responder.revoke(key, lambda: None)
         log.info("data channel replaced", sender=session.name, channel=channel,
-                 leases=len(keys))
+                 leases=len(keys),
+                 seconds=round(asyncio.get_running_loop().time() - began, 3))
         if session.alive:
             session.conn.send(message("replaced", req=req, params=params, keys=keys))
 

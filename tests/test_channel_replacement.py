@@ -135,5 +135,5 @@ async def test_a_remote_access_error_is_never_ridden_out(local: LocalDaemons) ->
     """A write under a wrong key is a bug or an attack, not the wire's doing."""
     link = local.sender.links["decode"]
     await until(lambda: link.connected, what="connected")
-    assert not link._replaceable(link.channels[0], RemoteAccessError("wrong key"))
-    assert link._replaceable(link.channels[0], PeerLost("outgoing data connection closed"))
+    assert not link._replaceable(0, link.channels[0], RemoteAccessError("wrong key"))
+    assert link._replaceable(0, link.channels[0], PeerLost("outgoing data connection closed"))

@@ -305,7 +305,7 @@ def _wait_for_log(daemon: NodeDaemon, pattern: str, since: int, timeout: float) 
 
 
 @pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
-def test_a_rail_dropped_mid_push_fails_it_fast_the_other_carries_on_and_it_comes_back(
+def test_a_rail_dropped_mid_push_moves_its_channels_to_the_other_and_it_comes_back(
         daemons: Daemons) -> None:
     striped = NodeDaemon("prefill", "sender", sender_config(
         "prefill-rails", transport="verbs", metrics="0.0.0.0:0", staging_size="64MiB",
@@ -321,18 +321,23 @@ def test_a_rail_dropped_mid_push_fails_it_fast_the_other_carries_on_and_it_comes
         while _wire_counters(daemons)["wire1"] - before < 2 << 20:
             assert time.monotonic() < deadline and pushing.is_alive(), "rail 1 never carried"
             time.sleep(0.2)
+        log_mark = len(striped.log_text())
         _netem(daemons, "wire1", "loss 100%")
         cut = time.monotonic()
         code, _, err = pushing.outcome(HANG_GUARD)
-        failed_after = time.monotonic() - cut
-        assert code == 2 and "retry exceeded" in err, err
-        assert failed_after < 10, f"the push failed {failed_after:.1f} s after the cut"
-        assert not records_of_failed(decode)  # its decode engine was told, nothing delivered
+        delivered_after = time.monotonic() - cut
+        # Rail 1's channels placed nothing for the stall bound: each was
+        # replaced on rail 0 and its lost writes posted again there, under
+        # the same control connection. The push is delivered, byte for byte.
+        assert code == 0, err
+        assert records_of(decode)[0]["bytes_ok"]
+        moved_lines = [line for line in striped.log_text()[log_mark:].splitlines()
+                       if "data channel replaced" in line]
+        assert moved_lines and all('"rail": "rxe0"' in line for line in moved_lines), \
+            moved_lines
         # The next push runs on rail 0 alone, while rail 1 is still dead.
-        log_mark = len(striped.log_text())
         moved = _verified_push_counting_wires(daemons, "rails-left", striped.socket)
         assert moved["wire0"] >= 48 << 20 and moved["rxe1"] < 100, moved
-        assert '"rails": ["rxe0"]' in striped.log_text()[log_mark:]
         # Still dead when its backoff runs out: the idle link tries it again,
         # connecting on it fails (the queue pair's INIT->RTR or the probe),
         # and it is left out for longer while rail 0 carries on.
@@ -347,7 +352,8 @@ def test_a_rail_dropped_mid_push_fails_it_fast_the_other_carries_on_and_it_comes
         moved = _verified_push_counting_wires(daemons, "rails-back", striped.socket)
         for wire in ("wire0", "wire1"):
             assert moved[wire] >= 20 << 20, moved  # 12 of the 24 layers each
-        print(f"rail cut: push failed {failed_after:.2f} s after it; rail 1 back in use "
+        print(f"rail cut: push delivered {delivered_after:.2f} s after it, "
+              f"{len(moved_lines)} channels moved to rail 0; rail 1 back in use "
               f"{back_after:.1f} s after the loss was lifted")
     finally:
         _netem(daemons, "wire1", None)
@@ -363,14 +369,6 @@ def _verified_push_counting_wires(d: Daemons, req: str, socket: str) -> dict[str
     assert code == 0, err
     assert records_of(decode)[0]["bytes_ok"]
     return {name: value - before[name] for name, value in _wire_counters(d).items()}
-
-
-def records_of_failed(background: Background) -> list[dict[str, Any]]:
-    """A decode engine's records of a request that failed: none delivered."""
-    code, out, err = background.outcome()
-    assert code != 0, out + err
-    return [r for r in (json.loads(line) for line in out.splitlines() if line.startswith("{"))
-            if r.get("bytes_ok")]
 
 
 def test_unreachable_peer_is_a_clear_error_not_a_hang(daemons: Daemons) -> None:
@@ -464,11 +462,13 @@ def test_memlock_too_low_is_refused_with_the_fix(daemons: Daemons) -> None:
 
 
 @pytest.mark.parametrize("daemons", ["verbs"], indirect=True)
-def test_completion_error_fails_the_push_with_its_status_then_a_new_qp_works(
+def test_roce_cut_mid_transfer_fails_the_push_after_the_stall_bound_then_a_new_qp_works(
     daemons: Daemons,
 ) -> None:
-    """RoCE stops getting through mid-transfer: the writes exhaust their retries,
-    the push fails with the completion status, and the next push gets a new QP."""
+    """RoCE stops getting through mid-transfer, for good: the queue pair retries
+    (for ever on rdma_rxe), no write completes, and after the stall bound
+    (four heartbeats) with no other rail to move to the link goes down, the
+    push fails saying so, and the next push gets a new QP."""
     before = _writes_sent(daemons)
     pushing = Background("prefill", kvctl_argv(
         "push", "--socket", daemons.sender.socket, "--peer", "decode", "--req", "cut-wire",
@@ -492,8 +492,8 @@ def test_completion_error_fails_the_push_with_its_status_then_a_new_qp_works(
     finally:
         run_in("prefill", ["tc", "qdisc", "del", "dev", "wire0", "root"], state=daemons.state)
     assert code == 2, out + err
-    assert "RDMA write on QP" in err and "retry exceeded" in err, err
-    assert failed_after < 10, f"failed {failed_after:.1f} s after RoCE was cut"
+    assert "placed nothing for" in err and "writes pending" in err, err
+    assert failed_after < HANG_GUARD, f"failed {failed_after:.1f} s after RoCE was cut"
     print(f"RoCE cut: push failed after {failed_after:.2f} s: {err.strip().splitlines()[0]}")
     # The sender dropped the broken connection: the receiver voided the lease.
     deadline = time.monotonic() + 15

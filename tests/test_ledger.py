@@ -90,6 +90,28 @@ async def test_a_lease_without_a_new_key_takes_no_writes_and_its_posts_are_done(
     assert outer.done() and outer.exception() is None
 
 
+async def test_a_holder_that_stopped_posting_gets_its_lost_posts_failed_not_resent() -> None:
+    """An abort drains: its writes lost with the channel are never placed, and
+    the drain must not wait for a replacement to send them again."""
+    ledger = PostLedger()
+    ledger.reset(1)
+    old = FakeChannel()
+    aborting = ledger.post(0, old, [Write(0, 0, 1)], 1, lease=7, key=100)
+    posting = ledger.post(0, old, [Write(1, 1, 1)], 2, lease=8, key=101)
+    ledger.replacing.add(0)
+    lost = TransportError("retry exceeded")
+    old.fail(lost)
+    await _settle()
+    new = FakeChannel()
+    assert ledger.repost(0, new, {7: 200, 8: 201}, wanted=lambda lease: lease == 8,
+                         dropped=lost) == 1
+    assert aborting.exception() is lost
+    assert [(imm, key) for imm, key, _ in new.posted] == [(2, 201)]
+    new.complete_next()
+    await _settle()
+    assert posting.done() and posting.exception() is None
+
+
 async def test_without_a_replacement_a_failed_post_fails() -> None:
     ledger = PostLedger()
     ledger.reset(1)

@@ -267,6 +267,11 @@ class EchoInitiator:
     def abort_acked(self) -> None:
         """Echo leases end with echo_close, never with an abort of ours."""
 
+    @property
+    def takes_writes(self) -> bool:
+        """An echo's writes go on a channel of its own, never through the link's."""
+        return False
+
     def fail(self, error: Exception, *, by_receiver: bool = False) -> None:
         if self.error is None:
             self.error = error if isinstance(error, KvwireError) else TransportError(str(error))

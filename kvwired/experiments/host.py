@@ -41,6 +41,9 @@ class LeaseHolder(Protocol):
 
     def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None: ...
 
+    @property
+    def takes_writes(self) -> bool: ...
+
 
 class PeerHandle(Protocol):
     """The sender's link to one receiver."""

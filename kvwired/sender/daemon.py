@@ -67,6 +67,7 @@ class SenderDaemon(Daemon):
         self.transport: Transport = make_transport(TransportOptions(
             name=config.transport, rdma_device=config.rdma_device,
             gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
+            ack_timeout=config.ack_timeout,
             receive_depth=SENDER_RECEIVE_DEPTH))
         self.links = {name: self._new_link(name, addr) for name, addr in config.peers.items()}
         # [peers] as configured; with discovery, config.peers is these and the registry's.

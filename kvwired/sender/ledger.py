@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import KvwireError
@@ -87,12 +87,18 @@ class PostLedger:
         else:
             record.outer.set_exception(error)
 
-    def repost(self, number: int, channel: DataChannel, keys: dict[int, int]) -> int:
+    def repost(self, number: int, channel: DataChannel, keys: dict[int, int],
+               wanted: Callable[[int], bool] = lambda lease: True,
+               dropped: BaseException | None = None) -> int:
         """Post channel ``number``'s lost posts again on ``channel`` (its
-        replacement), under ``keys`` (by lease: the receiver's new keys). A
-        lease the receiver gave no key takes no writes any more: every layer
-        of it landed (its key revoked) or it ended, which the control
-        connection has already said, so its posts are done. Returns how many
+        replacement), under ``keys`` (by lease: the receiver's new keys).
+
+        A lease the receiver gave no key takes no writes any more: every
+        layer of it landed (its key revoked) or it ended, which the control
+        connection has already said, so its posts are done. A lease whose
+        holder stopped posting (not ``wanted``: an abort drains) has its
+        posts failed with ``dropped``, the old channel's error: they will
+        never be placed, and only the drain waits for them. Returns how many
         immediates were posted (each takes one of the new channel's credits)."""
         self.replacing.discard(number)
         immediates = 0
@@ -101,6 +107,8 @@ class PostLedger:
                 self.lanes[number].remove(record)
             elif record.lease not in keys:
                 self._end(number, record, None)
+            elif not wanted(record.lease):
+                self._end(number, record, dropped)
             else:
                 self._send(number, record, channel, keys[record.lease])
                 immediates += record.imm is not None

@@ -76,6 +76,11 @@ class LeaseHolder(Protocol):
     def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
         """The receiver aborted the lease, or the link went down."""
 
+    @property
+    def takes_writes(self) -> bool:
+        """Still posting: its writes lost with a failed channel are posted again
+        on the replacement (an abort's drain only waits for them to end)."""
+
 
 class PeerLink:
     """Control connection + data channel to one named receiver."""
@@ -435,32 +440,36 @@ class PeerLink:
         (``_replace``); otherwise its posts fail and the link goes down."""
         rail = self.rails[number] if number < len(self.rails) else ""
         self._count_failure(error, rail)
-        if self._replaceable(channel, error) and number not in self._replacements:
+        if self._replaceable(number, channel, error) and number not in self._replacements:
             self.ledger.replacing.add(number)
             self.credits[number] = 0
             self._replacements[number] = spawn(
                 self._replace(number, channel, error), f"replace-{self.name}-{number}")
 
-    def _replaceable(self, channel: DataChannel, error: Exception) -> bool:
+    def _replaceable(self, number: int, channel: DataChannel, error: Exception) -> bool:
         """A channel is replaced while the peer is known to be there (the control
-        connection is up), the failure is the wire's (REPLACEABLE), and the
-        channel placed something within the stall bound, counting the
-        channels it replaced: a path that carries nothing for that long is
-        given up, as a silent peer is."""
+        connection is up) and the failure is the wire's (REPLACEABLE). A path
+        that placed nothing for the stall bound, across the channels that
+        replaced each other on it, is given up as a silent peer is, unless
+        another rail is usable: then the replacement moves there."""
         status = error.status if isinstance(error, KvwireError) else "transport_error"
-        return (not self._control_lost and self.conn is not None and not self.conn.closed
-                and self.machine.state in (LinkState.UP, LinkState.RETIRING)
-                and status in REPLACEABLE and channel in self.channels
-                and channel.silent_for(time.monotonic()) <= self.stall_bound)
+        if (self._control_lost or self.conn is None or self.conn.closed
+                or self.machine.state not in (LinkState.UP, LinkState.RETIRING)
+                or status not in REPLACEABLE or channel not in self.channels):
+            return False
+        return (channel.silent_for(time.monotonic()) <= self.stall_bound
+                or self._replacement_rail(number) != self.rails[number])
 
     async def _replace(self, number: int, failed: DataChannel, error: Exception) -> None:
         """A new channel in place of ``failed``, under the same control connection:
         offer, the receiver's ``replaced`` (its new responder, and new keys for
         every lease that still takes writes, the old ones revoked with the old
         responder), complete; then the lost posts go again, in order."""
-        conn, rail = self.conn, self.rails[number]
+        conn, failed_rail = self.conn, self.rails[number]
+        rail = self._replacement_rail(number)
         assert conn is not None
         cause = error.message if isinstance(error, KvwireError) else str(error)
+        began = time.monotonic()
         log.warning("replacing a data channel", peer=self.name, channel=number,
                     rail=rail_label(rail), error=cause)
         initiator = self.transport.initiator(conn.local_host, rail)
@@ -488,27 +497,44 @@ class PeerLink:
         if self.conn is not conn:
             channel.close()  # the link went down meanwhile
             return
-        self.channels[number] = channel
+        self.channels[number], self.rails[number] = channel, rail
         self._watch(number, channel)
         keys = {int(lease): int(key) for lease, key in answer["keys"]}
         for lease, key in keys.items():
             if (held := self._keys.get(lease)) is not None:
                 held[number] = key
-        immediates = self.ledger.repost(number, channel, keys)
-        channel.inherit_silence(failed)
+        immediates = self.ledger.repost(
+            number, channel, keys, dropped=error,
+            wanted=lambda lease: (holder := self.holders.get(lease)) is not None
+            and holder.takes_writes)
+        if rail == failed_rail:
+            channel.inherit_silence(failed)  # the same path: its silence goes on
         del self._replacements[number]
         self.credits[number] = max(0, self._welcome_credits - immediates)
         self._credit_freed.set()
         self.failure = None
         self.metrics.channel_replacements.labels(self.name, "replaced").inc()
         log.info("data channel replaced", peer=self.name, channel=number,
-                 rail=rail_label(rail), reposted=immediates, leases=len(keys))
+                 rail=rail_label(rail), reposted=immediates, leases=len(keys),
+                 seconds=round(time.monotonic() - began, 3))
+
+    def _replacement_rail(self, number: int) -> str:
+        """Channel ``number``'s rail, unless that rail has just been left out
+        (its writes were not acknowledged) and another is usable: then the
+        replacement moves to one of those."""
+        rail = self.rails[number]
+        if not rail:
+            return rail
+        usable = self.rail_health.usable(self._rail_devices(), time.monotonic())
+        if rail in usable or not usable:
+            return rail
+        return usable[number % len(usable)]
 
     def _count_failure(self, error: Exception, rail: str) -> None:
         status = error.status if isinstance(error, KvwireError) else "transport_error"
         self.metrics.completion_errors.labels(self.name, status).inc()
         self.metrics.rail_errors.labels(self.name, rail_label(rail), status).inc()
-        if rail and status == "retry_exceeded":
+        if rail and status in ("retry_exceeded", "stalled"):
             # The peer did not acknowledge on this rail: rebuilt without it.
             self.rail_health.failed(rail, time.monotonic())
         if isinstance(error, TransportError):

@@ -137,6 +137,10 @@ class Push:
         if not self.machine.ended:
             self.event(PushEvent.ABORT_ACKED)
 
+    @property
+    def takes_writes(self) -> bool:
+        return self.machine.posting
+
 
 @dataclass(frozen=True)
 class Delivery:

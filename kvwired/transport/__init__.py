@@ -26,6 +26,7 @@ class TransportOptions:
     rdma_device: str = ""
     gid_index: int = -1
     poll_spin_us: float = 0.0
+    ack_timeout: int = 14  # verbs: the queue pairs' local ACK timeout exponent
     # Receives kept posted per connected initiator (verbs).
     receive_depth: int = 64
     # TCP: where the data listener binds, and whether it binds at start (the
@@ -52,7 +53,8 @@ def make_transport(options: TransportOptions) -> Transport:
         return VerbsTransport(device=options.rdma_device, gid_index=options.gid_index,
                               receive_depth=options.receive_depth,
                               per_lease_keys=options.per_lease_keys,
-                              spin_us=options.poll_spin_us)
+                              spin_us=options.poll_spin_us,
+                              ack_timeout=options.ack_timeout)
     from .tcp import TcpTransport
 
     return TcpTransport(options.listen_host, options.data_port,

@@ -10,9 +10,9 @@ What the code must respect (docs/DESIGN.md, "RDMA facts"):
   an error naming the step and the attributes;
 - receives are posted before the peer learns the QP, and one is re-posted for
   every one consumed, before the credit for it goes back;
-- retries are bounded (``retry_cnt`` and ``rnr_retry`` 6: rxe treats 7 as
-  endless for both): a missing receive or a dead peer becomes a completion
-  error within seconds;
+- receiver-not-ready retries are bounded (``rnr_retry`` 6: 7 is endless), so a
+  missing receive is a completion error within seconds; ``retry_cnt`` is 7
+  (endless on rxe) and a dead peer is bounded by the link's progress check;
 - writes are posted as lists through the QPEx ``wr_*`` API, one signalled
   work request per post (and every ``SIGNAL_EVERY``), completions polled in
   batches;
@@ -77,11 +77,18 @@ log = structlog.get_logger("kvwired.transport.verbs")
 SQ_DEPTH = 1024
 SIGNAL_EVERY = SQ_DEPTH // 4
 POLL_BATCH = 64
-QP_TIMEOUT = 14  # 4.096 us x 2^14 = 67 ms before a retry
-# Not 7: rxe, like rnr_retry, treats a retry_cnt of 7 as "retry forever"
-# (rxe_comp.c: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--`); a dead
-# wire then never completes in error. Measured: 7 hangs, 6 fails in seconds.
-RETRY_COUNT = 6
+QP_TIMEOUT = 14  # 4.096 us x 2^14 = 67 ms before a retry (``ack_timeout`` sets it)
+# 7, the most the field holds: a lossy, reordering or briefly dark wire is
+# ridden out by the queue pair's own retransmissions. rxe treats 7 as "retry
+# forever" (rxe_comp.c: `if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--`),
+# and a hardware RNIC as seven retries: either way a dead path is bounded by
+# the link's progress check (a channel that places nothing for the stall
+# bound fails: kvwired.sender.link), and a channel that fails sooner is
+# replaced under the live control connection (PeerLink._replace). With 6,
+# rxe spent its budget under 5 % loss within 1.5 s (0.1 to 0.9 s at ack
+# timeout 10), each queue pair placing about one 512 KiB layer before it
+# failed, and a replacement costs 1.6 s on the lab's emulated nodes.
+RETRY_COUNT = 7
 RNR_RETRY = 6  # bounded; 7 would mean "retry forever", a silent hang
 MIN_RNR_TIMER = 12
 MTU_BYTES = {e.IBV_MTU_256: 256, e.IBV_MTU_512: 512, e.IBV_MTU_1024: 1024,
@@ -297,8 +304,10 @@ class _QueuePair:
 
     def __init__(self, device: _Device, gid: GidEntry, recv_depth: int,
                  on_completions: Callable[[list[Any]], None], spin_seconds: float,
-                 windows: bool = False, own_pd: bool = False) -> None:
+                 windows: bool = False, own_pd: bool = False,
+                 ack_timeout: int = QP_TIMEOUT) -> None:
         self.device = device
+        self.ack_timeout = ack_timeout
         self.gid = gid
         # A protection domain of its own (a lease MR's key then answers to
         # this QP alone), with a one-page MR for the receives to point at.
@@ -378,14 +387,14 @@ class _QueuePair:
         attr = QPAttr()
         attr.qp_state = e.IBV_QPS_RTS
         attr.sq_psn = self.psn
-        attr.timeout = QP_TIMEOUT
+        attr.timeout = self.ack_timeout
         attr.retry_cnt = RETRY_COUNT
         attr.rnr_retry = RNR_RETRY
         attr.max_rd_atomic = 1
         mask = (e.IBV_QP_STATE | e.IBV_QP_SQ_PSN | e.IBV_QP_TIMEOUT | e.IBV_QP_RETRY_CNT
                 | e.IBV_QP_RNR_RETRY | e.IBV_QP_MAX_QP_RD_ATOMIC)
         self._modify(attr, mask, "RTR->RTS", e.IBV_QPS_RTS,
-                     f"local PSN {self.psn}, timeout {QP_TIMEOUT}, retry {RETRY_COUNT}, "
+                     f"local PSN {self.psn}, timeout {self.ack_timeout}, retry {RETRY_COUNT}, "
                      f"rnr retry {RNR_RETRY}")
 
     def close(self) -> None:
@@ -836,8 +845,10 @@ class VerbsTransport(Transport):
     name = "verbs"
 
     def __init__(self, device: str = "", gid_index: int = -1, receive_depth: int = 64,
-                 per_lease_keys: bool = False, spin_us: float = 0.0) -> None:
+                 per_lease_keys: bool = False, spin_us: float = 0.0,
+                 ack_timeout: int = QP_TIMEOUT) -> None:
         self.per_lease_keys = per_lease_keys
+        self._ack_timeout = ack_timeout
         self._device_name = device
         self._spin_seconds = spin_us / 1e6
         self._gid_index = gid_index
@@ -884,7 +895,7 @@ class VerbsTransport(Transport):
         windows = per_lease_keys and device.bounds_windows
         own_pd = per_lease_keys and not device.bounds_windows
         return _QueuePair(device, gid, recv_depth, on_completions, self._spin_seconds,
-                          windows, own_pd)
+                          windows, own_pd, self._ack_timeout)
 
     def initiator(self, local_host: str, rail: str = "") -> Initiator:
         return VerbsInitiator(self, local_host, rail)
