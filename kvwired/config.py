@@ -64,8 +64,8 @@ class CommonConfig:
     ack_timeout: int = _opt(
         14, "verbs: local ACK timeout of the queue pairs, 4.096 us x 2^n before an "
         "unacknowledged write is sent again (14: 67 ms). rdma_rxe recovers lost packets by "
-        "this timer, so a lossy Soft-RoCE wire wants 10 (4 ms); hardware recovers them at "
-        "once and keeps 14 or more")
+        "this timer, so a lossy Soft-RoCE wire wants 12 (17 ms); hardware recovers them "
+        "at once and keeps 14 or more")
     metrics: str = _opt(
         "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
     )

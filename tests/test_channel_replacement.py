@@ -18,7 +18,7 @@ import pytest
 
 from kvwired import checksum, immediate
 from kvwired.client import ReceiverClient, SenderClient
-from kvwired.errors import PeerLost, RemoteAccessError
+from kvwired.errors import PeerLost, RemoteAccessError, TransportError
 from kvwired.layout import RequestShape
 from kvwired.sender.link import PeerLink
 from kvwired.transport.base import DataChannel, Write
@@ -137,3 +137,32 @@ async def test_a_remote_access_error_is_never_ridden_out(local: LocalDaemons) ->
     await until(lambda: link.connected, what="connected")
     assert not link._replaceable(0, link.channels[0], RemoteAccessError("wrong key"))
     assert link._replaceable(0, link.channels[0], PeerLost("outgoing data connection closed"))
+    # rdma_rxe's responder refusing a resent message's sequence: a new queue
+    # pair starts it clean.
+    assert link._replaceable(0, link.channels[0], TransportError(
+        "remote invalid request", status="remote_invalid_request"))
+
+
+async def test_a_receiver_whose_channel_is_not_replaced_drops_the_session_after_the_bound(
+        tmp_path: Path) -> None:
+    """The receiver waits the stall bound (four heartbeats) for the sender to
+    replace a failed responder; a sender that never does loses its session."""
+    daemons = await start_local(tmp_path, receiver={"heartbeat": 0.2},
+                                sender={"heartbeat": 0.2})
+    try:
+        link = daemons.sender.links["decode"]
+        await until(lambda: link.connected, what="connected")
+        (session,) = daemons.receiver.sessions
+        failed = daemons.receiver.metrics.channel_replacements.labels(session.label, "failed")
+        daemons.receiver._on_data_error(session, 0, session.responders[0],
+                                        PeerLost("incoming data connection closed"))
+        assert 0 in session.broken
+        waited = await until(lambda: not session.alive, what="the session dropped")
+        assert waited >= 4 * 0.2 * 0.9
+        assert failed._value.get() == 1
+        # The sender reconnects: a new session, nothing left waiting.
+        await until(lambda: len(daemons.receiver.sessions) == 1 and link.connected,
+                    what="reconnected")
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()

@@ -52,11 +52,14 @@ Undo = Callable[[Message], Message | None]
 
 RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
 # Failures of one data channel that its replacement can ride out: the wire
-# lost packets for longer than the queue pair's retries, or the stream broke.
-# A write under a wrong key (remote_access) is a bug or an attack: never
-# ridden out; a rail that failed its probe is left out by the rail logic.
+# lost packets for longer than the queue pair's retries, the stream broke,
+# the channel's rail was left out, or the responder refused the request
+# stream (rdma_rxe does, now and then, after retransmitting from the middle
+# of a message: a fresh queue pair starts its sequence clean). A write under
+# a wrong key (remote_access) is a bug or an attack: never ridden out.
 REPLACEABLE = frozenset({"retry_exceeded", "rnr_retry_exceeded", "connection_lost",
-                         "stalled", "transport_error"})
+                         "stalled", "transport_error", "remote_invalid_request",
+                         "rail_left_out"})
 
 
 def rail_label(rail: str) -> str:
@@ -535,8 +538,14 @@ class PeerLink:
         self.metrics.completion_errors.labels(self.name, status).inc()
         self.metrics.rail_errors.labels(self.name, rail_label(rail), status).inc()
         if rail and status in ("retry_exceeded", "stalled"):
-            # The peer did not acknowledge on this rail: rebuilt without it.
+            # The peer did not acknowledge on this rail: rebuilt without it,
+            # and its other channels move off it now, not at their next stall.
             self.rail_health.failed(rail, time.monotonic())
+            for number, channel in enumerate(self.channels):
+                if self.rails[number] == rail and channel.alive:
+                    channel.fail(TransportError(
+                        f"data channel {number} to receiver {self.name} moved off rail "
+                        f"{rail}, which was left out", status="rail_left_out"))
         if isinstance(error, TransportError):
             # Named after the receiver: "outgoing data connection closed" alone
             # does not say which of several peers went away.
