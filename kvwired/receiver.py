@@ -651,15 +651,19 @@ class ReceiverDaemon(Daemon):
                     keys.append(await responder.grant(offset, length))
             except KvwireError:
                 self._revoke_keys(responders, keys, lambda: None)
-                if any(a is not b for a, b in zip(responders, session.responders,
-                                                  strict=True)):
-                    continue  # granted on a responder replaced meanwhile
-                raise
-            if all(a is b for a, b in zip(responders, session.responders, strict=True)):
+                if self._current(session, responders):
+                    raise
+                continue  # granted on a responder replaced meanwhile
+            if self._current(session, responders):
                 return keys
             self._revoke_keys(responders, keys, lambda: None)  # never disclosed
         raise TransportError(f"the data channels of sender {session.name} kept being "
                              "replaced while a lease was granted")
+
+    @staticmethod
+    def _current(session: SenderSession, responders: list[Responder]) -> bool:
+        """Whether ``responders`` are still the session's, none replaced since."""
+        return all(a is b for a, b in zip(responders, session.responders, strict=True))
 
     @staticmethod
     def _quota_limit(config: ReceiverConfig) -> int | None:
