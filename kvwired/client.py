@@ -10,6 +10,7 @@ them for callers without an event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import mmap
@@ -632,8 +633,9 @@ class ReceiverClient(_LocalClient):
 # ------------------------------------------------------------ sync wrappers
 
 
-class _LoopThread:
-    """An event loop on a daemon thread, for the synchronous wrappers."""
+class LoopThread:
+    """An event loop on a daemon thread: the synchronous wrappers' and any
+    caller's that drives clients from threads of its own (an engine's hooks)."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -642,7 +644,11 @@ class _LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop; its future, to wait for or cancel."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, fn: Any, *args: Any) -> Any:
         async def invoke() -> Any:
@@ -655,7 +661,7 @@ class _LoopThread:
 
 
 class SyncPush:
-    def __init__(self, runner: _LoopThread, push: OutgoingPush) -> None:
+    def __init__(self, runner: LoopThread, push: OutgoingPush) -> None:
         self._runner, self._push = runner, push
         self.req, self.shape = push.req, push.shape
 
@@ -679,7 +685,7 @@ class _SyncClient(Generic[C]):
     """A client driven from a thread of its own, for callers without an event loop."""
 
     def __init__(self, connect: Callable[[], Coroutine[Any, Any, C]]) -> None:
-        self._runner = _LoopThread()
+        self._runner = LoopThread()
         try:
             self._client: C = self._runner.run(connect())
         except BaseException:

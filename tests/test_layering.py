@@ -1,6 +1,6 @@
 """The import rule of docs/DESIGN.md ("Layers of the code"), checked.
 
-Every import in kvwired/ and kvctl/ counts: at module level, inside
+Every import in kvwired/, kvctl/ and kvwire_vllm/ counts: at module level, inside
 functions and under ``TYPE_CHECKING``, because each is a dependency someone
 reading the code has to hold in mind. A new module must be placed in a
 layer here before it can land.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvwired", "kvctl")
+PACKAGES = ("kvwired", "kvctl", "kvwire_vllm")
 
 # Bottom to top. A module may import its own layer and those its layer names.
 LAYERS: dict[str, tuple[str, ...]] = {
@@ -36,6 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "client": ("kvwired.client",),
     "wiring": ("kvwired.cli", "kvwired.__main__"),
     "kvctl": ("kvctl", "kvctl.*"),
+    "connector": ("kvwire_vllm", "kvwire_vllm.*"),
 }
 
 MAY_IMPORT: dict[str, set[str]] = {
@@ -53,6 +54,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "wiring": {"base", "model", "transport", "connections", "daemons", "experiments",
                "client"},
     "kvctl": set(),
+    # vLLM's connector is an engine: it knows the daemons only as a client does.
+    "connector": {"base", "model", "client"},
 }
 
 # kvctl talks to the daemons through their sockets and the client library; of
@@ -63,7 +66,10 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     "kvwired.protocol", "kvwired.localsock", "kvwired.trust",
                     "kvwired.experiments.spec", "kvwired.discovery.address",
                     "kvwired.discovery.membership", "kvwired.discovery.registry",
-                    "kvwired.experiments.perftest")
+                    "kvwired.experiments.perftest",
+                    # The vLLM connector's plain parts: the proxy's transfer ids,
+                    # the demo's local model. Never the parts that import vLLM.
+                    "kvwire_vllm", "kvwire_vllm.params", "kvwire_vllm.model")
 
 
 def _module_name(path: Path) -> str:

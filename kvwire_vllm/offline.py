@@ -1,0 +1,103 @@
+"""One engine run through vLLM's offline API, as JSON in and JSON out.
+
+The tests and the benchmark drive engines as separate processes (vLLM
+allows one KV-transfer group per process), each in the engine's own
+environment:
+
+    python -m kvwire_vllm.offline < job.json > result.json
+
+A job: ``{"model": DIR, "role": "colocated" | "prefill" | "decode",
+"prompts": [[token ids], ...], "max_tokens": N, "params": [kv_transfer_params
+or null per prompt], "connector": {extra config}, "failure_policy":
+"recompute" | "fail", "engine": {more LLM() arguments}}``.
+
+The result: per prompt its output tokens, ``num_cached_tokens``, the
+``kv_transfer_params`` the engine returned, its time to first token as the
+engine measured it; the connector's counters; the engine's build time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+# Before vLLM is imported: one process (no engine-core subprocess), and the
+# two cores of a small machine not fought over by OpenMP.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 256 << 20,
+    "gpu_memory_utilization": 0.05,
+    "max_num_batched_tokens": 512,
+    "max_model_len": 8192,
+    "block_size": 128,
+    "seed": 0,
+}
+
+
+def kv_transfer_config(role: str, connector: dict[str, Any] | None,
+                       failure_policy: str = "recompute") -> dict[str, Any] | None:
+    if role == "colocated":
+        return None
+    return {"kv_connector": "KvwireConnector",
+            "kv_connector_module_path": "kvwire_vllm.connector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": connector or {}}
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    role = job["role"]
+    started = time.perf_counter()
+    llm = LLM(model=job["model"], **{**ENGINE_DEFAULTS, **job.get("engine", {})},
+              kv_transfer_config=kv_transfer_config(role, job.get("connector"),
+                                                    job.get("failure_policy", "recompute")))
+    built = time.perf_counter() - started
+    prompts = job["prompts"]
+    params = job.get("params") or [None] * len(prompts)
+    max_tokens = 1 if role == "prefill" else int(job.get("max_tokens", 16))
+    sampling = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                               extra_args={"kv_transfer_params": p} if p else None)
+                for p in params]
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
+                           use_tqdm=False)
+    seconds = time.perf_counter() - started
+    results = []
+    for output in outputs:
+        metrics = output.metrics
+        ttft = getattr(metrics, "first_token_latency", None) if metrics else None
+        results.append({"tokens": list(output.outputs[0].token_ids),
+                        "num_cached_tokens": output.num_cached_tokens,
+                        "kv_transfer_params": output.kv_transfer_params,
+                        "ttft": ttft})
+    counters = None
+    if role != "colocated":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        connector = get_kv_transfer_group()
+        connector.shutdown()  # a prefill engine's pushes in flight end first
+        counters = connector.counters_so_far()
+    return {"role": role, "outputs": results, "seconds": seconds, "build_seconds": built,
+            "counters": counters}
+
+
+def main() -> None:
+    job = json.load(sys.stdin)
+    result = run(job)
+    sys.stdout.flush()
+    # vLLM prints to stdout too: the result is the last line.
+    print("\n" + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

