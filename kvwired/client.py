@@ -563,6 +563,10 @@ class ReceiverClient(_LocalClient):
         while True:
             event = await queue.get()
             if isinstance(event, KvwireError):
+                # The subscription ended with it (the daemon's rule too): asking
+                # for the id again subscribes anew.
+                if self._events.get(req) is queue:
+                    del self._events[req]
                 raise event
             yield event
             if isinstance(event, Delivered):

@@ -49,7 +49,7 @@ from .tasks import spawn
 from .transport import Transport, TransportOptions, make_transport
 from .transport.base import Responder
 from .units import format_size
-from .verdicts import Verdict, VerdictBook
+from .verdicts import MissedFailures, Verdict, VerdictBook
 
 log = structlog.get_logger("kvwired.receiver")
 
@@ -204,6 +204,7 @@ class ReceiverDaemon(Daemon):
         self._lease_ids: set[int] = set()  # the request path's and the services'
         # How leases ended, for senders that lost the answer (kvwired.verdicts).
         self.verdicts = VerdictBook()
+        self.missed = MissedFailures()  # for decode engines that subscribe late
         self._sealed: tuple[Member, Member] | None = None  # (as described, as signed)
         # Layers are hashed here as they land: XXH3 releases the GIL, so the
         # loop keeps receiving meanwhile. Two threads, so that a request
@@ -632,6 +633,7 @@ class ReceiverDaemon(Daemon):
         lease.claimed = bool(lease.holders)
         self.leases[lease.id] = lease
         self.by_req[req] = lease
+        self.missed.forget(req)
         session.leases.add(lease.id)
         self.update_pool_metrics()
         session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset,
@@ -826,9 +828,11 @@ class ReceiverDaemon(Daemon):
         delivered = lease.machine.outcome is Outcome.DELIVERED
         error = None if delivered else (
             lease.error or RequestAborted(f"request {lease.req} was aborted"))
-        self.verdicts.record(lease.session.name, lease.req,
-                             Verdict(lease.id, delivered, lease.checksum, error),
-                             asyncio.get_running_loop().time())
+        now = asyncio.get_running_loop().time()
+        self.verdicts.record((lease.session.name, lease.req),
+                             Verdict(lease.id, delivered, lease.checksum, error), now)
+        if error is not None:
+            self.missed.record(lease.req, error, now)
         waiting, lease.deciding = lease.deciding, []
         for waiter in waiting:
             if not waiter.done():
@@ -845,7 +849,7 @@ class ReceiverDaemon(Daemon):
             decided = loop.create_future()
             lease.deciding.append(decided)
             await decided
-        verdict = self.verdicts.lookup(session.name, req, lease_id, loop.time())
+        verdict = self.verdicts.lookup_lease(session.name, req, lease_id, loop.time())
         log.info("sender asked how a request ended", req=req, sender=session.name,
                  verdict=verdicts.outcome(verdict))
         if session.alive:
@@ -877,7 +881,7 @@ class ReceiverDaemon(Daemon):
         elif action is LeaseAction.NOTIFY_COMPLETE:
             self._notify(lease.req, self._complete_message(lease))
         elif action is LeaseAction.NOTIFY_FAILED:
-            self._notify(lease.req, message("failed", req=lease.req, error=error.to_wire()))
+            self._fail_subscribers(lease.req, error)
         elif action is LeaseAction.REVOKE_KEY:
             self._revoke_key(lease)
         elif action is LeaseAction.FREE:
@@ -987,7 +991,15 @@ class ReceiverDaemon(Daemon):
         """A decode engine waiting for a request this receiver refused learns it
         now, with the sender's reason: the same outcome at both ends, and no
         engine left waiting for a request that will not come."""
+        self._fail_subscribers(req, error)
+        self.missed.record(req, error, asyncio.get_running_loop().time())
+
+    def _fail_subscribers(self, req: str, error: KvwireError) -> None:
+        """``failed`` is a subscription's last word: an engine that wants the id
+        again (a request pushed anew) subscribes anew."""
         self._notify(req, message("failed", req=req, error=error.to_wire()))
+        for consumer in self.subscribers.pop(req, ()):
+            consumer.subscribed.discard(req)
 
     async def _serve_consumer(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -1033,9 +1045,14 @@ class ReceiverDaemon(Daemon):
                               "releasing it")
 
     def _subscribe(self, consumer: Consumer, req: str) -> None:
+        lease = self.by_req.get(req)
+        missed = self.missed.lookup(req, asyncio.get_running_loop().time())
+        if lease is None and missed is not None:
+            # It ended, undelivered, before this engine asked: say so now.
+            consumer.send(message("failed", req=req, error=missed.to_wire()))
+            return
         consumer.subscribed.add(req)
         self.subscribers.setdefault(req, set()).add(consumer)
-        lease = self.by_req.get(req)
         if lease is None:
             return  # not opened yet: events follow when it is
         lease.holders.add(consumer)

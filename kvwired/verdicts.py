@@ -14,7 +14,9 @@ No I/O and no clock of its own: the caller says what time it is.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from .errors import KvwireError, RequestAborted, from_wire
 from .protocol import Message, message
@@ -64,30 +66,32 @@ def from_message(msg: Message) -> Verdict | None:
                    else RequestAborted(f"request {msg['req']} was aborted"))
 
 
-class VerdictBook:
-    """Verdicts by (sender, request), kept ``ttl`` seconds, at most ``limit``."""
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class TimedMemory(Generic[K, V]):
+    """Values by key, each kept ``ttl`` seconds, at most ``limit`` (the oldest go)."""
 
     def __init__(self, ttl: float = VERDICT_TTL, limit: int = MAX_VERDICTS) -> None:
         self.ttl, self.limit = ttl, limit
-        self._kept: OrderedDict[tuple[str, str], tuple[float, Verdict]] = OrderedDict()
+        self._kept: OrderedDict[K, tuple[float, V]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def record(self, sender: str, req: str, verdict: Verdict, now: float) -> None:
-        key = (sender, req)
+    def record(self, key: K, value: V, now: float) -> None:
         self._kept.pop(key, None)
-        self._kept[key] = (now, verdict)
+        self._kept[key] = (now, value)
         self._expire(now)
 
-    def lookup(self, sender: str, req: str, lease: int, now: float) -> Verdict | None:
-        """The verdict on ``lease`` of ``sender``'s ``req``; None if not known (never
-        leased here, forgotten, or the request id was leased again since)."""
+    def lookup(self, key: K, now: float) -> V | None:
         self._expire(now)
-        kept = self._kept.get((sender, req))
-        if kept is None or kept[1].lease != lease:
-            return None
-        return kept[1]
+        kept = self._kept.get(key)
+        return None if kept is None else kept[1]
+
+    def forget(self, key: K) -> None:
+        self._kept.pop(key, None)
 
     def _expire(self, now: float) -> None:
         while self._kept:
@@ -95,3 +99,26 @@ class VerdictBook:
             if now - recorded <= self.ttl and len(self._kept) <= self.limit:
                 return
             del self._kept[key]
+
+
+class VerdictBook(TimedMemory[tuple[str, str], Verdict]):
+    """Verdicts by (sender, request)."""
+
+    def lookup_lease(self, sender: str, req: str, lease: int, now: float) -> Verdict | None:
+        """The verdict on ``lease`` of ``sender``'s ``req``; None if not known (never
+        leased here, forgotten, or the request id was leased again since)."""
+        verdict = self.lookup((sender, req), now)
+        return verdict if verdict is not None and verdict.lease == lease else None
+
+
+class MissedFailures(TimedMemory[str, KvwireError]):
+    """Requests that ended without delivery, by request id, for decode engines
+    that subscribe later.
+
+    In disaggregated serving the decode engine hears of a request only after
+    its prefill engine answered; by then the push may have been refused (pool
+    full) or aborted (deadline, the prefill side gone). A subscriber that came
+    late is told at once why, instead of waiting out its own timeout for a
+    request that will not come. A request opened again under the same id
+    starts afresh (``forget``).
+    """

@@ -158,6 +158,30 @@ async def test_a_decode_engine_waiting_for_a_refused_request_is_told_why(
     await until(lambda: local.receiver.pool is not None and local.receiver.pool.used_bytes == 0)
 
 
+async def test_a_decode_engine_that_asks_after_the_refusal_is_told_at_once(
+        local: LocalDaemons) -> None:
+    """Disaggregated serving's order: the decode engine hears of a request only
+    after the prefill side answered, when its push may already be refused. It
+    learns why at once, not at its own timeout; the id opened again later is
+    a fresh request."""
+    async with await SenderClient.connect(local.sender_socket) as prefill, \
+            await ReceiverClient.connect(local.receiver_socket) as decode:
+        held = await prefill.push_bytes("fills-the-pool", "decode", bytes(48 << 20))
+        with pytest.raises(PoolFull):
+            await prefill.push_bytes("late", "decode", bytes(32 << 20))
+        started = time.monotonic()
+        with pytest.raises(PoolFull, match="receive pool full"):
+            await decode.wait_delivered("late", timeout=30)
+        assert time.monotonic() - started < 5
+        decode.subscribe("fills-the-pool")
+        assert (await decode.wait_delivered("fills-the-pool", timeout=5)).checksum == \
+            held.checksum
+        await decode.release("fills-the-pool")
+        again = await prefill.push_bytes("late", "decode", bytes(1 << 20))
+        assert (await decode.wait_delivered("late", timeout=5)).checksum == again.checksum
+        await decode.release("late")
+
+
 async def test_deadline_aborts_and_frees_both_pools(local: LocalDaemons) -> None:
     async with await SenderClient.connect(local.sender_socket) as client:
         push = await client.open("slow", "decode", RequestShape(4, 1 << 20), deadline=0.3)
