@@ -139,11 +139,13 @@ class KvwireConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Blocks are freed at once on both sides: a push copies them into
-        # staging during the forward pass, and vLLM itself holds a loading
-        # request's blocks until its load is reported finished.
+        # vLLM itself holds a loading request's blocks until its load is
+        # reported finished.
         if self._producer_planner is not None:
-            return False, self._producer_planner.finished(request.request_id)
+            params = self._producer_planner.finished(request.request_id)
+            # A pushed request's blocks stay until the worker has them in
+            # staging (get_finished): at once, unless its push opened late.
+            return bool(params and params["kvwire_tokens"]), params
         if self._consumer_planner is not None:
             self._consumer_planner.finished(request.request_id)
         return False, None
@@ -188,6 +190,9 @@ class KvwireConnector(KVConnectorBase_V1):
             self._producer.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._producer is not None:
+            return KVConnectorTransferResults(
+                finished_sending=self._producer.finished_sending(finished_req_ids))
         if self._consumer is None:
             return KVConnectorTransferResults()
         self._consumer.cancel(finished_req_ids)
@@ -197,7 +202,7 @@ class KvwireConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving
+        return results.finished_sending, results.finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._consumer.take_failed_blocks() if self._consumer is not None else set()

@@ -9,11 +9,15 @@ environment:
 A job: ``{"model": DIR, "role": "colocated" | "prefill" | "decode",
 "prompts": [[token ids], ...], "max_tokens": N, "params": [kv_transfer_params
 or null per prompt], "connector": {extra config}, "failure_policy":
-"recompute" | "fail", "engine": {more LLM() arguments}}``.
+"recompute" | "fail", "engine": {more LLM() arguments}}``; or, instead of
+prompts and params, ``"rounds": [{"prompts", "params", "wait_for": PATH}]``:
+batches one engine runs in turn, each once PATH exists (a test acts between
+them). Progress lines (``kvwire-offline: built``, ``... round N generated``)
+go to stderr as they happen.
 
-The result: per prompt its output tokens, ``num_cached_tokens``, the
-``kv_transfer_params`` the engine returned, its time to first token as the
-engine measured it; the connector's counters; the engine's build time.
+The result: per prompt its output tokens, finish reason, ``num_cached_tokens``
+and the ``kv_transfer_params`` the engine returned; the connector's counters;
+the engine's build and generate times.
 """
 
 from __future__ import annotations
@@ -62,24 +66,30 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
               kv_transfer_config=kv_transfer_config(role, job.get("connector"),
                                                     job.get("failure_policy", "recompute")))
     built = time.perf_counter() - started
-    prompts = job["prompts"]
-    params = job.get("params") or [None] * len(prompts)
+    _mark("built")
     max_tokens = 1 if role == "prefill" else int(job.get("max_tokens", 16))
-    sampling = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                               extra_args={"kv_transfer_params": p} if p else None)
-                for p in params]
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
-                           use_tqdm=False)
-    seconds = time.perf_counter() - started
-    results = []
-    for output in outputs:
-        metrics = output.metrics
-        ttft = getattr(metrics, "first_token_latency", None) if metrics else None
-        results.append({"tokens": list(output.outputs[0].token_ids),
-                        "num_cached_tokens": output.num_cached_tokens,
-                        "kv_transfer_params": output.kv_transfer_params,
-                        "ttft": ttft})
+    rounds = job.get("rounds") or [{"prompts": job["prompts"], "params": job.get("params")}]
+    results: list[dict[str, Any]] = []
+    seconds = 0.0
+    for number, batch in enumerate(rounds):
+        if batch.get("wait_for"):
+            _wait_for_file(batch["wait_for"])
+        prompts = batch["prompts"]
+        params = batch.get("params") or [None] * len(prompts)
+        sampling = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                   extra_args={"kv_transfer_params": p} if p else None)
+                    for p in params]
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling,
+                               use_tqdm=False)
+        seconds += time.perf_counter() - started
+        _mark(f"round {number} generated")
+        for output in outputs:
+            completion = output.outputs[0]
+            results.append({"tokens": list(completion.token_ids),
+                            "finish_reason": completion.finish_reason,
+                            "num_cached_tokens": output.num_cached_tokens,
+                            "kv_transfer_params": output.kv_transfer_params})
     counters = None
     if role != "colocated":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -89,6 +99,16 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         counters = connector.counters_so_far()
     return {"role": role, "outputs": results, "seconds": seconds, "build_seconds": built,
             "counters": counters}
+
+
+def _mark(what: str) -> None:
+    """A progress line on stderr, for a caller that acts between the steps."""
+    print(f"kvwire-offline: {what}", file=sys.stderr, flush=True)
+
+
+def _wait_for_file(path: str) -> None:
+    while not os.path.exists(path):
+        time.sleep(0.01)
 
 
 def main() -> None:

@@ -4,12 +4,19 @@ In the step that completes a request's prompt, vLLM calls ``save_kv_layer``
 after each attention layer has written its KV. The request's blocks of that
 layer are copied into the push's staging (registered memory of the local
 sender daemon), sealed, and committed, so layer n travels while the engine
-computes layer n + 1. Nothing of the engine's waits on the wire: once the
-last layer is in staging the engine's blocks are free.
+computes layer n + 1.
 
-A push that cannot be opened (the receiver's pool is full, no daemon, ...)
-is logged and counted; the decode engine learns it from its receiver or
-its deadline and computes the prompt itself.
+The forward pass never waits on the network. A push is opened before the
+pass starts (a lease from the receiver: one round trip); if it is not open
+when a layer is done (a full pool makes the receiver wait for room), that
+layer and the rest are copied later, from vLLM's blocks, on the client's
+thread, once it opens. So vLLM holds a pushed request's blocks until the
+worker says its bytes are all in staging (``finished_sending``): at once
+for the usual push, later for a deferred one, never past the open's end.
+
+A push that cannot be opened (the receiver's pool stays full, no daemon,
+...) is logged and counted; the decode engine learns it from its receiver
+and computes the prompt itself.
 """
 
 from __future__ import annotations
@@ -18,8 +25,11 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,9 +44,6 @@ from .seal import SEAL_BYTES, LayerSeal, layer_bytes, seal_layer, transfer_hash
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.producer")
-# How long the first layer's copy waits for its push to be opened (a lease
-# from the receiver, one round trip): past this the push is given up.
-OPEN_WAIT = 10.0
 
 
 @dataclass
@@ -46,9 +53,9 @@ class _Push:
     block_ids: torch.Tensor
     seal: LayerSeal
     started: float
-    committed: int = 0
+    staged: int = 0  # layers copied into staging, in order
+    deferred: bool = False  # a layer was done before the push was open
     failed: bool = False
-    done: set[int] = field(default_factory=set)
 
 
 class Producer:
@@ -60,19 +67,24 @@ class Producer:
         self.thread = LoopThread()
         self._client: SenderClient | None = None
         self._connecting = asyncio.Lock()
-        self._pushes: list[_Push] = []
-        self._finishing: set[asyncio.Task[None]] = set()  # touched on the loop only
+        self._step: list[_Push] = []  # this forward pass's pushes
+        self._tasks: set[asyncio.Task[None]] = set()  # touched on the loop only
+        self._lock = threading.Lock()
+        self._pushing: set[str] = set()  # requests whose blocks vLLM holds for a push
+        self._released: set[str] = set()  # ... which may be freed now
+        self._finished: set[str] = set()  # ... which vLLM said finished
 
     def begin_step(self, plans: list[PushPlan]) -> None:
         """Before the forward pass: ask the daemon for this step's pushes."""
         for plan in plans:
-            blocks = len(plan.block_ids)
-            seal = LayerSeal(0, self.cache.layers, blocks, self.cache.block_size,
+            with self._lock:
+                self._pushing.add(plan.req_id)
+            seal = LayerSeal(0, self.cache.layers, len(plan.block_ids), self.cache.block_size,
                              self.cache.block_bytes, transfer_hash(plan.order.transfer),
                              self.cache.layout, 0)
-            self._pushes.append(_Push(plan, self.thread.submit(self._open(plan)),
-                                      torch.tensor(plan.block_ids, dtype=torch.int64), seal,
-                                      time.perf_counter()))
+            self._step.append(_Push(plan, self.thread.submit(self._open(plan)),
+                                    torch.tensor(plan.block_ids, dtype=torch.int64), seal,
+                                    time.perf_counter()))
 
     async def _sender(self) -> SenderClient:
         """The connection to the sender daemon; a new one after a daemon restart."""
@@ -92,22 +104,29 @@ class Producer:
                                  deadline=plan.deadline)
 
     def save_layer(self, layer_name: str) -> None:
-        """After layer ``layer_name``'s attention wrote its KV: copy, seal, commit."""
+        """After layer ``layer_name``'s attention wrote its KV: copy, seal, commit
+        (or leave it in vLLM's blocks, when the push is not open yet)."""
         n = self.cache.index.get(layer_name)
         if n is None:
             return
-        for push in self._pushes:
-            if push.failed:
+        for push in self._step:
+            if push.failed or push.deferred:
+                continue
+            if not push.opening.done():
+                push.deferred = True  # this layer and the rest: once it opens
                 continue
             try:
-                outgoing = push.opening.result(timeout=OPEN_WAIT)
-                layer = outgoing.layer(n)
-                self.cache.read_blocks(n, push.block_ids, layer[: len(layer) - SEAL_BYTES])
-                seal_layer(layer, dataclasses.replace(push.seal, layer=n))
-            except (KvwireError, concurrent.futures.TimeoutError) as exc:
+                self._stage(push, push.opening.result(), n)
+            except KvwireError as exc:
                 self._give_up(push, exc)
-                continue
-            self.thread.loop.call_soon_threadsafe(self._commit, push, outgoing, n)
+
+    def _stage(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
+        """Layer ``n`` into staging, sealed, and committed (from any thread)."""
+        layer = outgoing.layer(n)
+        self.cache.read_blocks(n, push.block_ids, layer[: len(layer) - SEAL_BYTES])
+        seal_layer(layer, dataclasses.replace(push.seal, layer=n))
+        push.staged = n + 1
+        self.thread.loop.call_soon_threadsafe(self._commit, push, outgoing, n)
 
     def _commit(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
         if push.failed:
@@ -117,11 +136,34 @@ class Producer:
         except KvwireError as exc:
             self._give_up(push, exc)
             return
-        push.committed += 1
-        if push.committed == self.cache.layers:
-            task = self.thread.loop.create_task(self._finish(push, outgoing))
-            self._finishing.add(task)
-            task.add_done_callback(self._finishing.discard)
+        if n == self.cache.layers - 1:
+            self._spawn(self._finish(push, outgoing))
+
+    def end_step(self) -> None:
+        """After the forward pass: pushes whose every layer is in staging let
+        their blocks go; deferred ones continue on the client's thread."""
+        for push in self._step:
+            if push.deferred and not push.failed:
+                self.thread.loop.call_soon_threadsafe(
+                    self._spawn, self._stage_deferred(push))
+            else:
+                self._release(push)
+        self._step = []
+
+    async def _stage_deferred(self, push: _Push) -> None:
+        try:
+            outgoing = await asyncio.wrap_future(push.opening)
+            for n in range(push.staged, self.cache.layers):
+                self._stage(push, outgoing, n)
+        except KvwireError as exc:
+            self._give_up(push, exc)
+        finally:
+            self._release(push)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.thread.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _finish(self, push: _Push, outgoing: OutgoingPush) -> None:
         try:
@@ -138,7 +180,7 @@ class Producer:
         if push.failed:
             return
         push.failed = True
-        code = exc.code if isinstance(exc, KvwireError) else "open_timeout"
+        code = exc.code if isinstance(exc, KvwireError) else "error"
         self.counters.failed("push", code)
         log.warning("kvwire: push of %s (request %s) failed: %s; the decode engine will "
                     "compute its prompt", push.plan.order.transfer, push.plan.req_id, exc)
@@ -146,16 +188,27 @@ class Producer:
                 and push.opening.exception() is None:
             self.thread.loop.call_soon_threadsafe(push.opening.result().abort)
 
-    def end_step(self) -> None:
-        """After the forward pass: every layer of this step's pushes is in staging."""
-        self._pushes = []
+    def _release(self, push: _Push) -> None:
+        with self._lock:
+            self._released.add(push.plan.req_id)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks vLLM may free now: their bytes are in staging
+        (or their push failed) and vLLM has finished them."""
+        with self._lock:
+            self._finished |= finished_req_ids & self._pushing
+            done = self._released & self._finished
+            self._released -= done
+            self._finished -= done
+            self._pushing -= done
+            return done
 
     def close(self) -> None:
         """Waits for the pushes in flight (each ends by its deadline): an engine
         that stops right after its last prefill still delivers it."""
         async def drain() -> None:
-            if self._finishing:
-                await asyncio.wait(set(self._finishing))
+            while self._tasks:
+                await asyncio.wait(set(self._tasks))
             if self._client is not None:
                 await self._client.close()
                 self._client = None

@@ -180,6 +180,10 @@ class Metrics:
         self.clients = Gauge(
             "kvwire_local_clients", "engines connected on the unix socket", registry=r,
         )
+        self.subscriptions = Gauge(
+            "kvwire_subscriptions", "requests decode engines wait for or hold (receiver)",
+            registry=r,
+        )
         self.certificate_expiry = Gauge(
             "kvwire_certificate_expiry_timestamp_seconds",
             "when this daemon's TLS certificate expires (0 with auth = \"none\")",

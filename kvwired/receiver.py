@@ -205,6 +205,9 @@ class ReceiverDaemon(Daemon):
         # How leases ended, for senders that lost the answer (kvwired.verdicts).
         self.verdicts = VerdictBook()
         self.missed = MissedFailures()  # for decode engines that subscribe late
+        # Read at scrape time, on the metrics thread: a copy of the sets' sizes.
+        self.metrics.subscriptions.set_function(
+            lambda: float(sum(map(len, list(self.subscribers.values())))))
         self._sealed: tuple[Member, Member] | None = None  # (as described, as signed)
         # Layers are hashed here as they land: XXH3 releases the GIL, so the
         # loop keeps receiving meanwhile. Two threads, so that a request
@@ -977,6 +980,11 @@ class ReceiverDaemon(Daemon):
                     reason=reason, why=why)
         self.metrics.reclaimed.labels(reason).inc()
         self._lease_event(lease, LeaseEvent.RECLAIM)
+        # An engine that asks for it later learns it is gone, and why.
+        self.missed.record(lease.req, RequestAborted(
+            f"request {lease.req} was delivered, then reclaimed: {why}",
+            hint="a decode engine must subscribe within unclaimed_ttl and release what "
+                 "it subscribed to"), asyncio.get_running_loop().time())
 
     def update_pool_metrics(self) -> None:
         self.metrics.set_pool("receive", self.pool.size, self.pool.used_bytes)

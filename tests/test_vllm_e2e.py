@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +28,10 @@ import pytest
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, receiver_config, scrape_in
 from kvctl.netns import sender_config as netns_sender_config
 from kvctl.vllm import engines
-from kvctl.vllm.engines import EngineError, ServeProcess
+from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess
 from kvwire_vllm.model import make_model
 from kvwire_vllm.params import new_transfer_id
+from kvwired.client import SyncReceiverClient, SyncSenderClient
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
@@ -41,6 +43,7 @@ BLOCK = 128
 LENGTHS = [5, 127, 128, 129, 300, 513, 777, 1000, 1300, 2000]
 DEADLINE = 8.0
 MAX_TOKENS = 12
+POOL = 64 << 20  # the receiver's pool: a test fills it
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +71,17 @@ class Hosts:
     def receiver_total(self, name: str, **labels: str) -> float:
         return scrape_in(self.pair, self.pair.decode, 9471).total(name, **labels)
 
+    def pool_used(self) -> float:
+        return self.receiver_total("kvwire_pool_bytes", pool="receive", state="used")
+
 
 @pytest.fixture(scope="module")
 def hosts(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     workdir = tmp_path_factory.mktemp("vllm-hosts")
     with NetnsPair(f"v{os.getpid() % 100000}") as pair:
         rx = DaemonProcess(pair, pair.decode, "receiver",
-                           receiver_config(pair, workdir, lease_wait=1.0), workdir)
+                           receiver_config(pair, workdir, lease_wait=1.0, pool_size=POOL),
+                           workdir)
         tx = DaemonProcess(pair, pair.prefill, "sender",
                            netns_sender_config(pair, workdir), workdir)
         rx.start()
@@ -130,6 +137,22 @@ def decode(hosts: Hosts, model: Path, prompts: list[list[int]],
 
 def pushed_tokens(prompt: list[int]) -> int:
     return len(prompt) // BLOCK * BLOCK
+
+
+def expected_params(prompts: list[list[int]], transfers: list[str],
+                    deadline: float = DEADLINE) -> list[dict[str, Any] | None]:
+    """What a prefill engine would have answered: for a decode engine whose
+    prefill engine never did."""
+    return [{"do_remote_prefill": True, "kvwire_transfer": t, "kvwire_tokens": pushed_tokens(p),
+             "kvwire_deadline": deadline} for p, t in zip(prompts, transfers, strict=True)]
+
+
+def prefill_job(hosts: Hosts, model: Path, prompts: list[list[int]], transfers: list[str],
+                wait_for: Path | None = None) -> dict[str, Any]:
+    return {"model": str(model), "role": "prefill", "connector": hosts.connector("prefill"),
+            "rounds": [{"prompts": prompts, "wait_for": str(wait_for) if wait_for else None,
+                        "params": [{"do_remote_decode": True, "kvwire_transfer": t}
+                                   for t in transfers]}]}
 
 
 def test_disaggregated_tokens_equal_one_engines_and_the_kv_came_over_kvwire(
@@ -259,6 +282,133 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
             proxy.wait()
         for server in servers:
             server.stop()
+
+
+def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_later(
+        hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
+        tmp_path: Path) -> None:
+    """The forward pass does not wait for a lease: layers of a push not yet open
+    stay in vLLM's blocks (held for it) and go to staging once it opens."""
+    few, transfers, go = prompts[4:7], [new_transfer_id() for _ in range(3)], tmp_path / "go"
+    engine = OfflineProcess(prefill_job(hosts, model, few, transfers, go), tmp_path / "prefill")
+    try:
+        engine.wait_mark("built")
+        os.kill(hosts.receiver.pid, signal.SIGSTOP)
+        try:
+            go.touch()
+            engine.wait_mark("round 0 generated", timeout=60)  # the receiver still stopped
+        finally:
+            os.kill(hosts.receiver.pid, signal.SIGCONT)
+        pushed = engine.result()
+    finally:
+        engine.kill()
+    assert pushed["counters"]["pushes"] == 3, pushed["counters"]
+    loaded = decode(hosts, model, few, [o["kv_transfer_params"] for o in pushed["outputs"]])
+    assert [o["tokens"] for o in loaded["outputs"]] == colocated[4:7]
+    assert loaded["counters"]["loads"] == 3
+
+
+def test_a_prefill_engine_killed_mid_push_leaves_a_recomputed_answer_and_a_free_pool(
+        hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
+        tmp_path: Path) -> None:
+    few, transfers, go = prompts[4:7], [new_transfer_id() for _ in range(3)], tmp_path / "go"
+    engine = OfflineProcess(prefill_job(hosts, model, few, transfers, go), tmp_path / "prefill")
+    try:
+        engine.wait_mark("built")
+        os.kill(hosts.receiver.pid, signal.SIGSTOP)
+        try:
+            go.touch()
+            engine.wait_mark("round 0 generated", timeout=60)
+            engine.kill()  # its pushes wait for leases: mid-push
+        finally:
+            os.kill(hosts.receiver.pid, signal.SIGCONT)
+    finally:
+        engine.kill()
+    loaded = decode(hosts, model, few, expected_params(few, transfers))
+    assert [o["tokens"] for o in loaded["outputs"]] == colocated[4:7]
+    counters = loaded["counters"]
+    assert counters["loads"] == 0 and counters["load_failures"] == 3, counters
+    _wait_for(lambda: hosts.pool_used() == 0, "the receive pool to be free")
+
+
+def test_a_sender_daemon_restart_between_batches_the_prefill_engine_reconnects(
+        hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
+        tmp_path: Path) -> None:
+    first, second, go = prompts[4:6], prompts[6:8], tmp_path / "go"
+    transfers = [new_transfer_id() for _ in range(4)]
+    job = prefill_job(hosts, model, first, transfers[:2])
+    job["rounds"].append(prefill_job(hosts, model, second, transfers[2:], go)["rounds"][0])
+    engine = OfflineProcess(job, tmp_path / "prefill")
+    try:
+        engine.wait_mark("round 0 generated")
+        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") >= 2,
+                  "the first batch to be delivered")
+        hosts.sender.stop()
+        hosts.sender.start()
+        go.touch()
+        pushed = engine.result()
+    finally:
+        engine.kill()
+    assert pushed["counters"]["pushes"] == 4, pushed["counters"]
+    both = first + second
+    loaded = decode(hosts, model, both, [o["kv_transfer_params"] for o in pushed["outputs"]])
+    assert [o["tokens"] for o in loaded["outputs"]] == colocated[4:8]
+    assert loaded["counters"]["loads"] == 4
+
+
+def test_a_full_receive_pool_means_a_recomputed_prompt_or_a_clear_error(
+        hosts: Hosts, model: Path, prompts: list[list[int]],
+        colocated: list[list[int]]) -> None:
+    with SyncSenderClient(hosts.sender.socket) as filler:
+        filler.push_bytes("fills-the-pool", None, bytes(POOL))
+    try:
+        few = prompts[7:10]
+        pushed = prefill(hosts, model, few)
+        assert pushed["counters"]["push_failures"] == 3
+        assert pushed["counters"]["failures"] == {"push:pool_full": 3}
+        params = [o["kv_transfer_params"] for o in pushed["outputs"]]
+        loaded = decode(hosts, model, few, params)
+        assert [o["tokens"] for o in loaded["outputs"]] == colocated[7:10]
+        assert loaded["counters"]["failures"] == {"load:pool_full": 3}
+        # kv_load_failure_policy = "fail": the request ends in an error, not in
+        # tokens computed on KV that never came.
+        failing = decode(hosts, model, few[:1], params[:1], policy="fail")
+        [output] = failing["outputs"]
+        assert output["finish_reason"] == "error" and output["tokens"] == []
+    finally:
+        with SyncReceiverClient(hosts.receiver.socket) as holder:
+            holder.wait_delivered("fills-the-pool", timeout=10)
+            holder.release("fills-the-pool")
+    _wait_for(lambda: hosts.pool_used() == 0, "the receive pool to be free")
+
+
+def test_a_decode_engine_killed_while_holding_slots_gives_them_back(
+        hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
+        tmp_path: Path) -> None:
+    few, transfers = prompts[7:10], [new_transfer_id() for _ in range(3)]
+    reclaimed = hosts.receiver_total("kvwire_reclaimed_total", reason="engine_gone")
+    waiting = OfflineProcess({
+        "model": str(model), "role": "decode", "prompts": few, "max_tokens": MAX_TOKENS,
+        "connector": hosts.connector("decode"),
+        "params": expected_params(few, transfers, deadline=120)}, tmp_path / "decode")
+    try:
+        _wait_for(lambda: hosts.receiver_total("kvwire_subscriptions") == 3,
+                  "the decode engine to wait for its 3 requests", timeout=120)
+        os.kill(waiting.process.pid, signal.SIGSTOP)  # it holds what arrives, and reads none
+        prefill(hosts, model, few, transfers)
+        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") == 3,
+                  "the 3 requests to be delivered to the stopped engine")
+        assert hosts.pool_used() > 0
+        waiting.kill()
+    finally:
+        waiting.kill()
+    _wait_for(lambda: hosts.pool_used() == 0, "the slots to come back")
+    assert hosts.receiver_total("kvwire_reclaimed_total", reason="engine_gone") \
+        - reclaimed == 3
+    # Another engine asking for them learns at once that they are gone.
+    again = decode(hosts, model, few, expected_params(few, transfers))
+    assert [o["tokens"] for o in again["outputs"]] == colocated[7:10]
+    assert again["counters"]["load_failures"] == 3
 
 
 def _load(pair: NetnsPair, url: str, prompts: list[list[int]],

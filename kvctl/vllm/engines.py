@@ -65,20 +65,46 @@ def offline(job: dict[str, Any], timeout: float = 300.0,
     return dict(json.loads(lines[-1]))
 
 
-def start_offline(job: dict[str, Any], log: Path,
-                  prefix: Sequence[str] = ()) -> subprocess.Popen[str]:
-    """An offline job started, not waited for (to kill it mid-way)."""
-    process = subprocess.Popen([*prefix, engine_python(), "-m", "kvwire_vllm.offline"],
-                               stdin=subprocess.PIPE, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT, text=True, env=engine_env())
-    assert process.stdin is not None
-    process.stdin.write(json.dumps(job))
-    process.stdin.close()
-    return process
+class OfflineProcess:
+    """An offline job running, not waited for: a test acts between its steps
+    (``kvwire-offline: ...`` lines on its stderr) or kills it."""
 
+    def __init__(self, job: dict[str, Any], log: Path, prefix: Sequence[str] = ()) -> None:
+        self.out, self.err = log.with_suffix(".out"), log.with_suffix(".err")
+        self.process = subprocess.Popen(
+            [*prefix, engine_python(), "-m", "kvwire_vllm.offline"], stdin=subprocess.PIPE,
+            stdout=self.out.open("w"), stderr=self.err.open("w"), text=True, env=engine_env())
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(job))
+        self.process.stdin.close()
 
-def read_offline_result(log: Path) -> dict[str, Any]:
-    return dict(json.loads(log.read_text().strip().splitlines()[-1]))
+    def wait_mark(self, mark: str, timeout: float = 300.0) -> None:
+        """Until the job says ``kvwire-offline: MARK``."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if f"kvwire-offline: {mark}" in self.err.read_text(errors="replace"):
+                return
+            if self.process.poll() is not None:
+                raise EngineError(f"the engine exited ({self.process.returncode}) before "
+                                  f"{mark!r}:\n{self.tail()}")
+            time.sleep(0.02)
+        raise EngineError(f"the engine did not reach {mark!r} in {timeout:g} s:\n{self.tail()}")
+
+    def result(self, timeout: float = 300.0) -> dict[str, Any]:
+        self.process.wait(timeout)
+        lines = self.out.read_text().strip().splitlines()
+        if self.process.returncode != 0 or not lines:
+            raise EngineError(f"the engine exited with {self.process.returncode}:\n"
+                              + self.tail())
+        return dict(json.loads(lines[-1]))
+
+    def tail(self, lines: int = 25) -> str:
+        return "\n".join(self.err.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
 
 
 def kv_transfer_config(role: str, extra: dict[str, Any],
