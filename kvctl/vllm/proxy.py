@@ -70,9 +70,16 @@ class Pool:
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
     def ranked(self) -> list[Server]:
-        start = next(self._turn) % len(self.servers)
-        rotated = self.servers[start:] + self.servers[:start]
-        return sorted(rotated, key=lambda server: server.in_flight)  # stable: ties rotate
+        """The servers, least loaded first; among equally loaded ones the first
+        place turns with every call."""
+        turn = next(self._turn)
+        ranked: list[Server] = []
+        by_load = sorted(self.servers, key=lambda server: server.in_flight)
+        for _, level in itertools.groupby(by_load, key=lambda server: server.in_flight):
+            tied = list(level)
+            start = turn % len(tied)
+            ranked += tied[start:] + tied[:start]
+        return ranked
 
 
 class ProxyError(Exception):
