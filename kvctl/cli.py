@@ -100,9 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_proxy_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
-    demo.add_argument("where", choices=["lab", "netns"],
+    demo.add_argument("where", choices=["lab", "netns", "vllm"],
                       help="lab: RDMA (Soft-RoCE) between two QEMU nodes, with TCP and "
-                      "perftest beside it; netns: TCP between two network namespaces")
+                      "perftest beside it; netns: TCP between two network namespaces; "
+                      "vllm: vLLM prefill and decode servers through kvwire and the proxy, "
+                      "against one engine (needs make vllm-env)")
     demo.add_argument("--repeat", type=int, default=3, help="netns: pushes per granularity")
     return parser
 
@@ -166,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
                 from .lab.demo import lab_demo
 
                 lab_demo()
+                return 0
+            if args.where == "vllm":
+                from .vllm.demo import vllm_demo
+
+                vllm_demo()
                 return 0
             from .netns_demo import netns_demo
 

@@ -68,7 +68,7 @@ class Consumer:
             self._failed_load(plan, exc)
         else:
             blocks = len(plan.block_ids)
-            self.counters.loaded(blocks * self.cache.block_size,
+            self.counters.loaded(plan.order.tokens - plan.first * self.cache.block_size,
                                  blocks * self.cache.block_bytes * self.cache.layers,
                                  time.perf_counter() - started)
         finally:

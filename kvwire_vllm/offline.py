@@ -43,6 +43,10 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "max_model_len": 8192,
     "block_size": 128,
     "seed": 0,
+    # The model's own dtype. vLLM's CPU default (bfloat16) rounds enough that
+    # two runs of one prompt (a prefix-cache hit, another batch) can pick
+    # different greedy tokens; float32 keeps one engine equal to itself.
+    "dtype": "float32",
 }
 
 

@@ -13,8 +13,8 @@ hands the decode engine:
 
 ``ID`` is the push's request id at the daemons; ``NAME`` the receiver as the
 prefill node's sender daemon knows it (null: its only one; "auto": chosen by
-the registry); ``N`` the prompt tokens pushed (whole blocks; 0: nothing was
-pushed, the decode engine computes the prompt itself).
+the registry); ``N`` the prompt tokens pushed (the whole prompt; 0: nothing was pushed,
+the decode engine computes the prompt itself).
 
 Plain Python with no vLLM in it, so it is tested with the daemons' suite.
 """

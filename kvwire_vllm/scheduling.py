@@ -38,7 +38,7 @@ class RequestLike(Protocol):
 
 @dataclass(frozen=True)
 class PushPlan:
-    """Push these blocks (the request's first ``len(block_ids)``), every layer."""
+    """Push these blocks (all the request's prompt blocks), every layer."""
 
     req_id: str
     order: PushOrder
@@ -64,10 +64,11 @@ class StepPlan:
     loads: list[LoadPlan] = field(default_factory=list)
 
 
-def full_blocks(tokens: int, block_size: int) -> int:
-    """Blocks a prompt of ``tokens`` fills completely: what can be moved (the
-    partial last block is recomputed by the decode engine)."""
-    return tokens // block_size
+def blocks_of(tokens: int, block_size: int) -> int:
+    """Blocks holding ``tokens``, the last one perhaps partly: a push moves them
+    all, so the decode engine computes only the prompt's last token again
+    (vLLM's rule for a prompt wholly in cache), not up to a block of them."""
+    return -(-tokens // block_size)
 
 
 @dataclass
@@ -120,8 +121,8 @@ class ProducerPlanner:
                 pushing.block_ids.extend(blocks)
             if computed + scheduled.get(req_id, 0) < pushing.prompt_len:
                 continue  # a chunk of a longer prefill: its last one pushes
-            count = full_blocks(pushing.prompt_len, self.block_size)
-            pushing.tokens = count * self.block_size
+            count = blocks_of(pushing.prompt_len, self.block_size)
+            pushing.tokens = pushing.prompt_len
             if count:
                 left = pushing.order.deadline - (time.monotonic() - pushing.started)
                 plan.pushes.append(PushPlan(req_id, pushing.order, pushing.block_ids[:count],
@@ -169,8 +170,9 @@ class ConsumerPlanner:
         order = self._order(request)
         if order is None:
             return
-        total = full_blocks(order.tokens, self.block_size)
-        first = full_blocks(order.tokens - external_tokens, self.block_size)
+        total = blocks_of(order.tokens, self.block_size)
+        # What this engine had already is whole blocks (its prefix cache).
+        first = (order.tokens - external_tokens) // self.block_size
         self._loading.add(request.request_id)
         self._pending.append(LoadPlan(request.request_id, order, first, total,
                                       list(block_ids[first:total])))

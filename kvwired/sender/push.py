@@ -491,6 +491,13 @@ class PushDriver:
         if push.error is not None:
             log.info("push delivered although an abort was asked for", req=push.req,
                      peer=peer, reason=str(push.error))
+        else:
+            # One line per request, as the receiver logs it: what a request's
+            # transfer cost, and how much of it came after the engine's last
+            # layer (drain: what overlap with compute did not hide).
+            log.info("push delivered", req=push.req, peer=peer, bytes=push.shape.total_bytes,
+                     transfer_seconds=round(timings["transfer_seconds"], 6),
+                     drain_seconds=round(timings["drain_seconds"], 6))
         if not push.outcome.done():
             push.outcome.set_result(Delivery(push.checksum, timings))
 
