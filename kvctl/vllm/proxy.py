@@ -11,6 +11,10 @@ For each ``POST /v1/completions`` or ``/v1/chat/completions``:
 3. send the original request to decode with the ``kv_transfer_params`` the
    prefill answer carried, and stream decode's answer back.
 
+Nothing but the ``kvwire_*`` keys is kvwire's: with vLLM's own connectors
+(NIXL, Mooncake), which read ``do_remote_decode`` and return their own
+params, the same proxy works (the benchmark runs them through it).
+
 A server that cannot be reached is skipped for another of its kind; when
 none answers, the client gets HTTP 502 with the servers' addresses, at once
 rather than at a timeout. Errors from a server pass through with its status.
@@ -178,9 +182,9 @@ class Proxy:
             prefill_body["max_completion_tokens"] = 1
         prefill, answer = await self._post_any(self.prefill, path, prefill_body)
         params = answer.get("kv_transfer_params")
-        if not isinstance(params, dict) or params.get("kvwire_transfer") != transfer:
-            raise ProxyError(502, f"prefill server {prefill.url} answered without kvwire's "
-                             "kv_transfer_params: is it running with kvwire's connector as "
+        if not isinstance(params, dict):
+            raise ProxyError(502, f"prefill server {prefill.url} answered without "
+                             "kv_transfer_params: is it running with a KV connector as "
                              "kv_producer (--kv-transfer-config)?")
         prefilled = time.perf_counter()
         decode_body = {**body, "kv_transfer_params": params}
