@@ -89,6 +89,12 @@ class KvwireConnector(KVConnectorBase_V1):
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"kvwire's connector is a kv_producer (prefill) or a "
                              f"kv_consumer (decode), not {transfer.kv_role!r}")
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "kvwire's connector moves the KV cache of one worker: run the engine with "
+                "tensor_parallel_size and pipeline_parallel_size 1 (each worker of a "
+                "parallel engine would push its own shard under one request id)")
         self.producing = transfer.kv_role == "kv_producer"
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size

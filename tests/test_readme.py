@@ -70,6 +70,7 @@ def blocks_of(kind: str) -> list[Block]:
 # Where each shell session runs, by its first command.
 SESSIONS = {
     "make demo": "make-dry-run",       # CI runs `make test` itself; `make demo` takes 15 min
+    "make demo-vllm": "make-dry-run",  # tests/test_vllm_e2e.py runs its parts
     "kvctl lab up": "host-lab",        # boots its own lab
     "kvctl netns up": "host-netns",    # with the Python blocks beside it
     "make install ROLE=receiver": "lab-node",  # a lab node is a real node, its /etc its own
@@ -144,6 +145,19 @@ def _synopsis() -> dict[tuple[str, ...], set[str]]:
         for verb in verbs:
             shown[(command, verb) if verb else (command,)] = flags
     return shown
+
+
+def test_every_make_session_names_real_targets() -> None:
+    for block in blocks_of("sh"):
+        if SESSIONS[block.first_command] != "make-dry-run":
+            continue
+        for line in block.text.splitlines():
+            words = line.split("#")[0].split()
+            if words:
+                assert words[0] == "make", f"README.md:{block.line}: {line}"
+                result = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT,
+                                        capture_output=True, text=True)
+                assert result.returncode == 0, f"README.md:{block.line}: {result.stderr}"
 
 
 def test_the_kvctl_synopsis_says_what_help_says() -> None:
