@@ -129,7 +129,12 @@ class ServeProcess:
     def __init__(self, model: Path, host: str, port: int, log: Path,
                  role: str | None = None, connector: dict[str, Any] | None = None,
                  prefix: Sequence[str] = (), kv_cache_bytes: int = 256 << 20,
-                 max_batched_tokens: int = 512) -> None:
+                 max_batched_tokens: int = 512, kv_transfer: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, extra_args: Sequence[str] = ()) -> None:
+        """``role`` and ``connector``: kvwire's connector as the prefill or decode
+        engine, with that extra config; ``kv_transfer``: any other connector's
+        whole --kv-transfer-config (the benchmark's peers); ``env``: more
+        environment for the server."""
         self.url = f"http://{host}:{port}"
         self.log = log
         self.prefix = list(prefix)
@@ -144,15 +149,18 @@ class ServeProcess:
                    "--max-num-batched-tokens", str(max_batched_tokens),
                    "--max-model-len", "8192", "--seed", "0", "--disable-log-stats"]
         if role is not None:
-            command += ["--kv-transfer-config",
-                        json.dumps(kv_transfer_config(role, connector or {}))]
-        self.command = command
+            kv_transfer = kv_transfer_config(role, connector or {})
+        if kv_transfer is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        self.command = [*command, *extra_args]
+        self.env = env or {}
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServeProcess:
         with self.log.open("ab") as log:
             self.process = subprocess.Popen([*self.prefix, *self.command], stdout=log,
-                                            stderr=subprocess.STDOUT, env=engine_env(),
+                                            stderr=subprocess.STDOUT,
+                                            env=engine_env(**self.env),
                                             start_new_session=True)
         return self
 
@@ -201,3 +209,25 @@ class ServeProcess:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, 9)
             self.process.wait()
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) of every process of the server so far."""
+        assert self.process is not None
+        return process_group_cpu(self.process.pid)
+
+
+def process_group_cpu(group: int) -> float:
+    """User + system seconds of the live processes in process group ``group``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        # After the name: state, ppid, pgrp, ... utime and stime are the 12th and 13th.
+        if int(fields[2]) == group:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks

@@ -36,9 +36,10 @@ class Answer:
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int],
-                   max_tokens: int) -> Answer:
+                   max_tokens: int, extra: dict[str, Any] | None = None) -> Answer:
+    """One streamed completion; ``extra``: more fields of the request body."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "stream": True, "return_token_ids": True, **(extra or {})}
     answer = Answer()
     started = time.perf_counter()
     try:

@@ -1,0 +1,258 @@
+"""kvwire against vLLM's own connectors, in one run: TTFT and what moving KV adds.
+
+Two network namespaces joined by a veth (kvwire's daemons between them over
+TCP with mutual TLS, as in ``make demo-vllm``), the ``bench`` model made
+locally (8 layers, 8 KV heads x 64, float32: 32 KiB of KV per token). For
+each way of serving, one after the other, a prefill ``vllm serve`` in one
+namespace and a decode one in the other, ``kvctl proxy`` in front (it
+passes any connector's ``kv_transfer_params``):
+
+- ``colocated``: one engine, no connector (the reference);
+- ``kvwire``: kvwire's connector and daemons;
+- ``nixl``: vLLM's NixlConnector over UCX on TCP, as shipped;
+- ``nixl-tuned``: the same with NIXL's progress thread polling every
+  100 µs instead of spinning (benchmarks/vllm_peers.py);
+- ``mooncake``: vLLM's MooncakeConnector over TCP (with the device index
+  answered on a CPU-only machine).
+
+Per prompt length (about 256, 1,000 and 4,000 tokens), ``--repeat`` prompts
+each: the TTFT a client sees; the added TTFT (minus the colocated p50); the
+decode side's part (after prefill answered: the pull connectors' whole
+transfer, kvwire's wait for what is left of its push); kvwire's transfer and
+the part of it after the last layer; and each engine's CPU use while idle.
+
+    python -m benchmarks.vllm_connectors [--connectors kvwire,nixl] [--repeat 5]
+
+It needs root (namespaces), ``make vllm-env``, and for the peers
+``.venv-vllm/bin/pip install nixl nixl-cu12 mooncake-transfer-engine-non-cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from kvctl import table
+from kvctl.netns import DaemonProcess, NetnsPair, two_hosts
+from kvctl.vllm.demo import prompts_of, send, transfers
+from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config
+from kvwire_vllm.model import make_model
+from kvwired.errors import KvwireError
+
+REPO = Path(__file__).resolve().parents[1]
+CONNECTORS = ["colocated", "kvwire", "nixl-tuned", "nixl", "mooncake"]
+LENGTHS = [256, 1000, 4000]
+DEADLINE = 30.0
+IDLE_SECONDS = 5.0
+KV_CACHE = 1 << 30
+BATCH = 2048
+
+
+def server_settings(name: str, pair: NetnsPair, receiver: DaemonProcess,
+                    sender: DaemonProcess) -> list[tuple[str, dict[str, Any] | None,
+                                                         dict[str, str]]]:
+    """Per server to start: its host, its --kv-transfer-config, its environment."""
+    hosts = {"prefill": pair.prefill.address, "decode": pair.decode.address}
+    if name == "colocated":
+        return [("decode", None, {})]
+    if name == "kvwire":
+        return [("prefill", kv_transfer_config("prefill", {"sender_socket": sender.socket,
+                                                           "deadline": DEADLINE}), {}),
+                ("decode", kv_transfer_config("decode", {"receiver_socket": receiver.socket}),
+                 {})]
+    peers = {"PYTHONPATH": str(REPO)}
+    if name in ("nixl", "nixl-tuned"):
+        connector = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                     "kv_buffer_device": "cpu"}
+        if name == "nixl-tuned":
+            connector |= {"kv_connector": "TunedNixlConnector",
+                          "kv_connector_module_path": "benchmarks.vllm_peers"}
+        return [(side, connector, {**peers, "UCX_TLS": "tcp",
+                                   "VLLM_NIXL_SIDE_CHANNEL_HOST": hosts[side],
+                                   "VLLM_NIXL_SIDE_CHANNEL_PORT": str(5600 + n),
+                                   "VLLM_HOST_IP": hosts[side]})
+                for n, side in enumerate(("prefill", "decode"))]
+    if name == "mooncake":
+        return [(side, {"kv_connector": "CpuMooncakeConnector",
+                        "kv_connector_module_path": "benchmarks.vllm_peers",
+                        "kv_role": "kv_producer" if side == "prefill" else "kv_consumer",
+                        "engine_id": f"mooncake-{side}",
+                        "kv_connector_extra_config": {"mooncake_protocol": "tcp"}},
+                 {**peers, "VLLM_HOST_IP": hosts[side], "VLLM_MOONCAKE_BOOTSTRAP_PORT": "8998"})
+                for side in ("prefill", "decode")]
+    raise SystemExit(f"unknown connector {name!r}; choose from {', '.join(CONNECTORS)}")
+
+
+def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonProcess,
+            model: Path, work: Path, prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
+    ports = {"prefill": 8100, "decode": 8200}
+    with ExitStack() as stack:
+        servers: dict[str, ServeProcess] = {}
+        for side, kv, env in server_settings(name, pair, receiver, sender):
+            host = pair.prefill if side == "prefill" else pair.decode
+            server = ServeProcess(model, host.address, ports[side],
+                                  work / f"{name}-{side}.log", prefix=pair.argv(host, []),
+                                  kv_cache_bytes=KV_CACHE, max_batched_tokens=BATCH,
+                                  kv_transfer=kv, env=env)
+            stack.callback(server.stop)
+            servers[side] = server.start()
+        for server in servers.values():
+            server.wait_ready(timeout=600)
+        if name == "mooncake":
+            def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
+                return _route(pair, servers)(batch)
+        else:
+            url = servers["decode"].url
+            if "prefill" in servers:
+                url = _proxy(stack, pair, servers, work / f"{name}-proxy.log")
+
+            def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
+                return send(pair, url, batch)
+        ask(prompts_of([64, 1000], seed=11))  # warm-up
+        idle = _idle_cores(servers)
+        rows: dict[int, list[dict[str, Any]]] = {}
+        for length, batch in prompts.items():
+            rows[length] = []
+            for prompt in batch:
+                [answer] = ask([prompt])
+                push = transfers(sender).get(answer["transfer"] or "", {}) \
+                    if name == "kvwire" else {}
+                rows[length].append({
+                    "ttft": answer["ttft"], "prefill_ms": answer["prefill_ms"],
+                    "tokens": answer["tokens"],
+                    "transfer_seconds": push.get("transfer_seconds"),
+                    "drain_seconds": push.get("drain_seconds")})
+        return {"connector": name, "idle_cores": idle, "lengths": rows}
+
+
+def _proxy(stack: ExitStack, pair: NetnsPair, servers: dict[str, ServeProcess],
+           log: Path) -> str:
+    proxy = subprocess.Popen(
+        [*pair.argv(pair.prefill, []), sys.executable, "-m", "kvctl", "proxy",
+         "--prefill", servers["prefill"].url, "--decode", f"decode={servers['decode'].url}",
+         "--listen", f"{pair.prefill.address}:8000", "--deadline", str(DEADLINE)],
+        stdout=log.open("w"), stderr=subprocess.STDOUT)
+    stack.callback(proxy.wait)
+    stack.callback(proxy.terminate)
+    deadline = time.monotonic() + 30
+    while "kvctl proxy on" not in log.read_text():
+        if proxy.poll() is not None or time.monotonic() > deadline:
+            raise EngineError(f"the proxy did not start: {log.read_text()}")
+        time.sleep(0.1)
+    return f"http://{pair.prefill.address}:8000"
+
+
+def _route(pair: NetnsPair, servers: dict[str, ServeProcess]
+           ) -> Callable[[list[list[int]]], list[dict[str, Any]]]:
+    """Mooncake's router flow (benchmarks/vllm_router.py), from the prefill host."""
+    def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
+        done = subprocess.run(pair.argv(pair.prefill, [
+            sys.executable, "-m", "benchmarks.vllm_router", servers["prefill"].url,
+            servers["decode"].url, "--engine", "mooncake-prefill",
+            "--bootstrap", f"http://{pair.prefill.address}:8998"]), input=json.dumps(batch),
+            capture_output=True, text=True, timeout=600, cwd=REPO)
+        if done.returncode != 0:
+            raise EngineError(f"mooncake's router flow failed: {done.stderr[-1500:]}")
+        answers = list(json.loads(done.stdout.strip().splitlines()[-1]))
+        for answer in answers:
+            if answer["status"] != 200 or not answer["tokens"]:
+                raise EngineError(f"mooncake answered {answer['status']} with "
+                                  f"{len(answer['tokens'])} tokens: {answer['error']}\n"
+                                  f"decode: {servers['decode'].log_tail(15)}")
+        answered: list[dict[str, Any]] = answers
+        return answered
+    return ask
+
+
+def _idle_cores(servers: dict[str, ServeProcess]) -> dict[str, float]:
+    before = {side: server.cpu_seconds() for side, server in servers.items()}
+    time.sleep(IDLE_SECONDS)
+    return {side: round((server.cpu_seconds() - before[side]) / IDLE_SECONDS, 3)
+            for side, server in servers.items()}
+
+
+def p50(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def report(results: list[dict[str, Any]]) -> list[list[object]]:
+    colocated = next((r for r in results if r["connector"] == "colocated"), None)
+    rows: list[list[object]] = []
+    for result in results:
+        for length, runs in result["lengths"].items():
+            ttft = p50([r["ttft"] for r in runs]) * 1e3
+            base = (p50([r["ttft"] for r in colocated["lengths"][length]]) * 1e3
+                    if colocated else None)
+            decode_part = [r["ttft"] * 1e3 - r["prefill_ms"] for r in runs
+                           if r["prefill_ms"] is not None]
+            same = "-"
+            if colocated and result is not colocated:
+                same = "yes" if all(r["tokens"] == c["tokens"] for r, c in
+                                    zip(runs, colocated["lengths"][length], strict=True)) \
+                    else "NO"
+            transfer = [r["transfer_seconds"] * 1e3 for r in runs
+                        if r["transfer_seconds"] is not None]
+            drain = [r["drain_seconds"] * 1e3 for r in runs if r["drain_seconds"] is not None]
+            rows.append([
+                result["connector"], length, f"{ttft:.0f}",
+                f"{ttft - base:+.0f}" if base is not None and result is not colocated else "-",
+                f"{p50(decode_part):.0f}" if decode_part else "-",
+                f"{p50(transfer):.0f}" if transfer else "-",
+                f"{p50(drain):.1f}" if drain else "-",
+                f"{(1 - sum(drain) / sum(transfer)) * 100:.0f} %" if transfer else "-",
+                " / ".join(f"{v:.2f}" for v in result["idle_cores"].values()), same])
+    return rows
+
+
+HEADERS = ["connector", "tokens", "TTFT ms", "added ms", "decode side ms", "transfer ms",
+           "after last layer ms", "hidden", "idle cores (prefill / decode)", "same tokens"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connectors", default=",".join(CONNECTORS))
+    parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("results/bench-vllm.json"))
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    prompts = {n: prompts_of([n] * args.repeat, seed=100 + n) for n in lengths}
+    results: list[dict[str, Any]] = []
+    failures: dict[str, str] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvwire-bench-vllm-") as tmp:
+        work = Path(tmp)
+        model = make_model(work / "model", "bench")
+        with two_hosts(work, receiver={"pool_size": "512MiB"},
+                       sender={"staging_size": "512MiB"}) as (pair, receiver, sender):
+            for name in args.connectors.split(","):
+                print(f"{name}: starting its servers", flush=True)
+                try:
+                    results.append(run_one(name, pair, receiver, sender, model, work, prompts))
+                except (KvwireError, OSError) as exc:
+                    failures[name] = str(exc)[-1500:]
+                    print(f"{name}: did not run: {failures[name]}", flush=True)
+                else:
+                    print(table.render(HEADERS, report(results)[-len(lengths):]), flush=True)
+    print("\n" + table.render(HEADERS, report(results)))
+    for name, why in failures.items():
+        print(f"\n{name} did not run:\n{why}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"experiment": "bench-vllm", "results": results,
+                                    "failures": failures,
+                                    "seconds": round(time.monotonic() - started)},
+                                   indent=2) + "\n")
+    print(f"\nfigures: {args.out} ({(time.monotonic() - started) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    main()
