@@ -113,7 +113,8 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
         else:
             url = servers["decode"].url
             if "prefill" in servers:
-                url = _proxy(stack, pair, servers, work / f"{name}-proxy.log")
+                url = _proxy(stack, pair, servers, work / f"{name}-proxy.log",
+                             "parallel" if name == "kvwire" else "sequential")
 
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return send(pair, url, batch)
@@ -135,11 +136,14 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
 
 
 def _proxy(stack: ExitStack, pair: NetnsPair, servers: dict[str, ServeProcess],
-           log: Path) -> str:
+           log: Path, flow: str) -> str:
+    """kvctl proxy: parallel for kvwire, sequential for NIXL (it pulls with the
+    params the prefill answer carries)."""
     proxy = subprocess.Popen(
         [*pair.argv(pair.prefill, []), sys.executable, "-m", "kvctl", "proxy",
          "--prefill", servers["prefill"].url, "--decode", f"decode={servers['decode'].url}",
-         "--listen", f"{pair.prefill.address}:8000", "--deadline", str(DEADLINE)],
+         "--listen", f"{pair.prefill.address}:8000", "--deadline", str(DEADLINE),
+         "--flow", flow],
         stdout=log.open("w"), stderr=subprocess.STDOUT)
     stack.callback(proxy.wait)
     stack.callback(proxy.terminate)

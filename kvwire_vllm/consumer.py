@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
-from kvwired.client import Delivered, LoopThread, ReceiverClient
+from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
 from .cache import KVCacheBlocks
@@ -68,7 +69,7 @@ class Consumer:
             self._failed_load(plan, exc)
         else:
             blocks = len(plan.block_ids)
-            self.counters.loaded(plan.order.tokens - plan.first * self.cache.block_size,
+            self.counters.loaded(plan.tokens - plan.first * self.cache.block_size,
                                  blocks * self.cache.block_bytes * self.cache.layers,
                                  time.perf_counter() - started)
         finally:
@@ -86,13 +87,20 @@ class Consumer:
             return self._client
 
     async def _load(self, plan: LoadPlan) -> None:
+        """Each layer is checked and copied as it lands (while the prefill engine
+        still computes the next ones); the load is done once every layer is
+        copied and the receiver says the request is delivered."""
         transfer = plan.order.transfer
         client = await self._receiver()
-        delivered: Delivered | None = None
+        copied: set[int] = set()
         try:
             async with asyncio.timeout(plan.order.wait):
-                delivered = await client.wait_delivered(transfer)
-            self._copy(plan, client.view(delivered))
+                async for event in client.events(transfer):
+                    if isinstance(event, LayerLanded):
+                        if event.offset is not None:
+                            self._copy(plan, client.view(event), [event.layer], copied)
+                    else:
+                        self._copy(plan, client.view(event), range(self.cache.layers), copied)
         finally:
             # Released in every case: a slot not delivered yet is aborted (the
             # prefill side hears it), a delivered one goes back to the pool.
@@ -100,9 +108,11 @@ class Consumer:
             with contextlib.suppress(KvwireError):
                 await asyncio.shield(client.release(transfer))
 
-    def _copy(self, plan: LoadPlan, view: memoryview) -> None:
-        """Every layer's seal checked, then its blocks copied: on the loop's
-        thread, so a cancelled load cannot leave a copy running behind it."""
+    def _copy(self, plan: LoadPlan, view: memoryview, layers: Iterable[int],
+              copied: set[int]) -> None:
+        """Layers' seals checked, then their blocks copied into vLLM's: on the
+        loop's thread, so a cancelled load cannot leave a copy running behind
+        it."""
         cache = self.cache
         size = layer_bytes(plan.total, cache.block_bytes)
         if len(view) != size * cache.layers:
@@ -111,14 +121,15 @@ class Consumer:
                              "engines run the same model, dtype and block size?)")
         expected = LayerSeal(0, cache.layers, plan.total, cache.block_size, cache.block_bytes,
                              transfer_hash(plan.order.transfer), cache.layout, 0)
-        layers = []
-        for n in range(cache.layers):
-            layer = view[n * size : (n + 1) * size]
-            layers.append(check_layer(layer, dataclasses.replace(expected, layer=n)))
         first = plan.first * cache.block_bytes
         end = first + len(plan.block_ids) * cache.block_bytes
-        for n, kv in enumerate(layers):
+        for n in layers:
+            if n in copied:
+                continue
+            layer = view[n * size : (n + 1) * size]
+            kv = check_layer(layer, dataclasses.replace(expected, layer=n))
             cache.write_blocks(n, plan.block_ids, kv[first:end])
+            copied.add(n)
 
     def _failed_load(self, plan: LoadPlan, exc: BaseException) -> None:
         reason = (exc.code if isinstance(exc, KvwireError)

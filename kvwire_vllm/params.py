@@ -5,16 +5,20 @@ The proxy asks the prefill engine for a push:
     {"do_remote_decode": true, "kvwire_transfer": ID,
      "kvwire_receiver": NAME | null, "kvwire_deadline": SECONDS}
 
-and the prefill engine's answer (``request_finished``) is what the proxy
-hands the decode engine:
+and the decode engine is asked, at the same time, to load it:
 
-    {"do_remote_prefill": true, "kvwire_transfer": ID, "kvwire_tokens": N,
-     "kvwire_deadline": SECONDS_LEFT}
+    {"do_remote_prefill": true, "kvwire_transfer": ID, "kvwire_deadline": S}
+
+so it subscribes before the push lands and copies the moment it does. The
+prefill engine's answer (``request_finished``) carries the same, with
+``"kvwire_tokens": N`` and the seconds left, for a proxy that asks the
+decode engine only after the prefill engine answered (as vLLM's toy proxy
+does).
 
 ``ID`` is the push's request id at the daemons; ``NAME`` the receiver as the
 prefill node's sender daemon knows it (null: its only one; "auto": chosen by
 the registry); ``N`` the prompt tokens pushed (the whole prompt; 0: nothing was pushed,
-the decode engine computes the prompt itself).
+the decode engine computes the prompt itself; left out: the whole prompt).
 
 Plain Python with no vLLM in it, so it is tested with the daemons' suite.
 """
@@ -95,8 +99,8 @@ class LoadOrder:
     """What a decode engine is told to load."""
 
     transfer: str
-    tokens: int
-    deadline: float  # seconds left for the push when the prefill engine answered
+    tokens: int | None  # None: the whole prompt (asked before the prefill engine answered)
+    deadline: float  # seconds the decode engine gives the push
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> LoadOrder | None:
@@ -105,7 +109,8 @@ class LoadOrder:
             return None
         where = "a request for remote prefill"
         tokens = params.get("kvwire_tokens")
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool)
+                                   or tokens < 0):
             raise UsageError(f"{where}: kvwire_tokens {tokens!r} is not a token count",
                              hint="pass the prefill engine's kv_transfer_params unchanged")
         return cls(_transfer(params.get("kvwire_transfer"), where), tokens,

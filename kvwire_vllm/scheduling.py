@@ -53,6 +53,7 @@ class LoadPlan:
 
     req_id: str
     order: LoadOrder
+    tokens: int  # the prompt tokens pushed
     first: int
     total: int
     block_ids: list[int]
@@ -158,7 +159,7 @@ class ConsumerPlanner:
         order = self._order(request)
         if order is None:
             return 0, False
-        count = order.tokens - computed
+        count = self._tokens(request, order) - computed
         return (count, True) if count > 0 else (0, False)
 
     def allocated(self, request: RequestLike, block_ids: Sequence[int],
@@ -170,11 +171,12 @@ class ConsumerPlanner:
         order = self._order(request)
         if order is None:
             return
-        total = blocks_of(order.tokens, self.block_size)
+        tokens = self._tokens(request, order)
+        total = blocks_of(tokens, self.block_size)
         # What this engine had already is whole blocks (its prefix cache).
-        first = (order.tokens - external_tokens) // self.block_size
+        first = (tokens - external_tokens) // self.block_size
         self._loading.add(request.request_id)
-        self._pending.append(LoadPlan(request.request_id, order, first, total,
+        self._pending.append(LoadPlan(request.request_id, order, tokens, first, total,
                                       list(block_ids[first:total])))
 
     def plan(self) -> StepPlan:
@@ -184,6 +186,12 @@ class ConsumerPlanner:
 
     def finished(self, req_id: str) -> None:
         self._loading.discard(req_id)
+
+    @staticmethod
+    def _tokens(request: RequestLike, order: LoadOrder) -> int:
+        """The tokens pushed: the prefill engine's count, or (asked before it
+        answered) the whole prompt, which is what a push carries."""
+        return order.tokens if order.tokens is not None else len(request.prompt_token_ids or ())
 
     @staticmethod
     def _order(request: RequestLike) -> LoadOrder | None:

@@ -69,8 +69,14 @@ class PushResult:
 
 @dataclass(frozen=True)
 class LayerLanded:
+    """Layer ``layer`` of ``req`` is in the pool, at ``offset`` within the
+    request's ``length`` bytes there (``view`` reads it before the rest lands;
+    only ``Delivered`` says every byte is in and checked)."""
+
     req: str
     layer: int
+    offset: int | None = None
+    length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -579,10 +585,14 @@ class ReceiverClient(_LocalClient):
                     return event
         raise AssertionError("unreachable: events() ends with Delivered")
 
-    def view(self, delivered: Delivered) -> memoryview:
-        """The delivered KV, read in place from the receive pool (read-only)."""
+    def view(self, event: Delivered | LayerLanded) -> memoryview:
+        """The request's bytes in place in the receive pool (read-only): all of
+        them once delivered; after a ``LayerLanded``, its landed layers."""
         assert self.conn.map is not None
-        return memoryview(self.conn.map)[delivered.offset : delivered.offset + delivered.length]
+        if event.offset is None or event.length is None:
+            raise UsageError(f"the receiver did not say where request {event.req} lies",
+                             hint="wait for Delivered (a daemon of an older release)")
+        return memoryview(self.conn.map)[event.offset : event.offset + event.length]
 
     async def release(self, req: str) -> None:
         """Give the slot back; the data in it may be overwritten from now on."""
@@ -619,7 +629,8 @@ class ReceiverClient(_LocalClient):
         if queue is None:
             return
         if kind == "layer":
-            queue.put_nowait(LayerLanded(req, msg["layer"]))
+            queue.put_nowait(LayerLanded(req, msg["layer"], msg.get("offset"),
+                                         msg.get("length")))
         elif kind == "complete":
             queue.put_nowait(Delivered(req, msg["offset"], msg["length"], msg["layers"],
                                        msg["checksum"]))
@@ -750,8 +761,8 @@ class SyncReceiverClient(_SyncClient[ReceiverClient]):
     def wait_delivered(self, req: str, timeout: float | None = None) -> Delivered:
         return self._runner.run(self._client.wait_delivered(req, timeout))
 
-    def view(self, delivered: Delivered) -> memoryview:
-        return self._client.view(delivered)
+    def view(self, event: Delivered | LayerLanded) -> memoryview:
+        return self._client.view(event)
 
     def release(self, req: str) -> None:
         self._runner.run(self._client.release(req))

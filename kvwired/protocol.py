@@ -270,7 +270,11 @@ RECEIVER_LOCAL: Schema = {
     "hello": {"role": STR},
     "welcome": {"name": STR, "pool_size": INT},
     "subscribe": {"req": REQ},
-    "layer": {"req": REQ, "layer": LAYER},
+    # Where the request lies in the pool (the receiver's slot), on each layer:
+    # an engine may read a landed layer before the whole request is in.
+    "layer": {"req": REQ, "layer": LAYER,
+              "offset": _f(int, required=False, check=_int_range(0, U64)),
+              "length": _f(int, required=False, check=_int_range(0, U64))},
     "complete": {
         "req": REQ,
         "offset": INT,

@@ -724,7 +724,7 @@ class ReceiverDaemon(Daemon):
         memory = self.pool.memory.view
         loop = asyncio.get_running_loop()
         for n in landed:
-            self._notify(lease.req, message("layer", req=lease.req, layer=n))
+            self._notify(lease.req, self._layer_message(lease, n))
             # Hashed now, beside the loop, while later layers are still on
             # the wire: only the last one is left for the end (kvwired.checksum).
             offset, length = lease.shape.layer_span(n)
@@ -778,6 +778,11 @@ class ReceiverDaemon(Daemon):
                           "delivered")
         elif not lease.claimed:
             self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+
+    @staticmethod
+    def _layer_message(lease: Lease, n: int) -> Message:
+        return message("layer", req=lease.req, layer=n, offset=lease.slot.offset,
+                       length=lease.shape.total_bytes)
 
     @staticmethod
     def _complete_message(lease: Lease) -> Message:
@@ -1066,7 +1071,7 @@ class ReceiverDaemon(Daemon):
         lease.holders.add(consumer)
         lease.claimed = True
         for n in range(lease.landed):
-            consumer.send(message("layer", req=req, layer=n))
+            consumer.send(self._layer_message(lease, n))
         if lease.state is LeaseState.HELD:
             consumer.send(self._complete_message(lease))
 

@@ -91,8 +91,17 @@ def test_a_bad_push_order_says_which_field_is_wrong(params: dict[str, Any], word
         PushOrder.from_params(params, DEFAULT_DEADLINE)
 
 
+def test_a_load_asked_before_prefill_answered_expects_the_whole_prompt() -> None:
+    planner = ConsumerPlanner(block_size=4)
+    request = FakeRequest("r", list(range(10)), {
+        "do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_deadline": 3})
+    assert planner.matched_tokens(request, 4) == (6, True)
+    planner.allocated(request, [20, 21, 22], 6)
+    [load] = planner.plan().loads
+    assert (load.tokens, load.first, load.total, load.block_ids) == (10, 1, 3, [21, 22])
+
+
 @pytest.mark.parametrize("params", [
-    {"do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_deadline": 1},
     {"do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_tokens": -1,
      "kvwire_deadline": 1},
     {"do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_tokens": 1.5,

@@ -23,6 +23,8 @@ rather than at a timeout. Errors from a server pass through with its status.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -39,6 +41,10 @@ from kvwired.errors import UsageError
 
 log = structlog.get_logger("kvctl.proxy")
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+# parallel: both servers at once (kvwire's connector: the decode engine
+# subscribes and waits for the push); sequential: decode after prefill, with
+# the params its answer carries (vLLM's NIXL connector, which pulls).
+FLOWS = ("parallel", "sequential")
 CONNECT_TIMEOUT = 5.0
 
 
@@ -99,7 +105,11 @@ class ProxyError(Exception):
 
 class Proxy:
     def __init__(self, prefill: Sequence[Server], decode: Sequence[Server],
-                 deadline: float = DEFAULT_DEADLINE, timeout: float = 600.0) -> None:
+                 deadline: float = DEFAULT_DEADLINE, timeout: float = 600.0,
+                 flow: str = "parallel") -> None:
+        if flow not in FLOWS:
+            raise UsageError(f"no flow {flow!r}", hint=f"choose one of {', '.join(FLOWS)}")
+        self.flow = flow
         if not prefill or not decode:
             raise UsageError("the proxy needs at least one prefill and one decode server",
                              hint="kvctl proxy --prefill URL --decode [NAME=]URL")
@@ -180,18 +190,45 @@ class Proxy:
         prefill_body.pop("stream_options", None)
         if path.endswith("chat/completions"):
             prefill_body["max_completion_tokens"] = 1
-        prefill, answer = await self._post_any(self.prefill, path, prefill_body)
-        params = answer.get("kv_transfer_params")
-        if not isinstance(params, dict):
-            raise ProxyError(502, f"prefill server {prefill.url} answered without "
-                             "kv_transfer_params: is it running with a KV connector as "
-                             "kv_producer (--kv-transfer-config)?")
+        decoding: asyncio.Task[aiohttp.ClientResponse] | None = None
+        if self.flow == "parallel":
+            # The decode engine takes the request now, subscribes to the push
+            # and copies it the moment it lands: its own steps overlap prefill.
+            decoding = asyncio.create_task(self._ask_decode(decode, path, {
+                **body, "kv_transfer_params": {"do_remote_prefill": True,
+                                               "kvwire_transfer": transfer,
+                                               "kvwire_deadline": self.deadline}}))
+        try:
+            prefill, answer = await self._post_any(self.prefill, path, prefill_body)
+        except BaseException:
+            if decoding is not None:  # nothing will be pushed: the decode request goes
+                decoding.cancel()
+                with contextlib.suppress(BaseException):
+                    (await decoding).release()
+            raise
         prefilled = time.perf_counter()
-        decode_body = {**body, "kv_transfer_params": params}
+        if decoding is None:
+            params = answer.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                raise ProxyError(502, f"prefill server {prefill.url} answered without "
+                                 "kv_transfer_params: is it running with a KV connector as "
+                                 "kv_producer (--kv-transfer-config)?")
+            decoding = asyncio.create_task(self._ask_decode(decode, path,
+                                                      {**body, "kv_transfer_params": params}))
         headers = {"x-kvwire-transfer": transfer, "x-kvwire-prefill": prefill.url,
                    "x-kvwire-decode": decode.url,
                    "x-kvwire-prefill-ms": f"{(prefilled - started) * 1e3:.1f}"}
-        return await self._relay(request, decode, path, decode_body, headers, transfer)
+        return await self._relay(request, decode, await decoding, headers, transfer)
+
+    async def _ask_decode(self, decode: Server, path: str,
+                          body: dict[str, Any]) -> aiohttp.ClientResponse:
+        """The decode server's response, open (its body not read yet)."""
+        try:
+            return await self._session_or_fail().post(decode.url + path, json=body)
+        except aiohttp.ClientConnectionError as exc:
+            decode.failures += 1
+            raise ProxyError(502, f"decode server {decode.url} could not be reached "
+                             f"({exc.__class__.__name__}: {exc})") from None
 
     async def _post_any(self, pool: Pool, path: str,
                         body: dict[str, Any]) -> tuple[Server, dict[str, Any]]:
@@ -214,24 +251,23 @@ class Proxy:
         raise ProxyError(502, f"no {pool.kind} server could be reached: "
                          + "; ".join(unreachable))
 
-    async def _relay(self, request: web.Request, decode: Server, path: str,
-                     body: dict[str, Any], headers: dict[str, str],
+    async def _relay(self, request: web.Request, decode: Server,
+                     up: aiohttp.ClientResponse, headers: dict[str, str],
                      transfer: str) -> web.StreamResponse:
         """Decode's answer, streamed through as it comes."""
         response: web.StreamResponse | None = None
         try:
-            async with self._session_or_fail().post(decode.url + path, json=body) as up:
-                if up.status != 200:
-                    raise ProxyError(up.status, f"decode server {decode.url}: "
-                                     f"{await _error_text(up)}")
-                response = web.StreamResponse(status=200, headers={
-                    **headers, "content-type": up.headers.get("content-type",
-                                                              "application/json")})
-                await response.prepare(request)
-                async for chunk in up.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
+            if up.status != 200:
+                raise ProxyError(up.status, f"decode server {decode.url}: "
+                                 f"{await _error_text(up)}")
+            response = web.StreamResponse(status=200, headers={
+                **headers, "content-type": up.headers.get("content-type",
+                                                          "application/json")})
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
         except aiohttp.ClientConnectionError as exc:
             decode.failures += 1
             if response is not None:  # mid-stream: the client sees the stream cut
@@ -239,6 +275,8 @@ class Proxy:
                 return response
             raise ProxyError(502, f"decode server {decode.url} could not be reached "
                              f"({exc.__class__.__name__}: {exc})") from None
+        finally:
+            up.release()
 
 
 async def _error_text(response: aiohttp.ClientResponse) -> str:
@@ -265,12 +303,16 @@ def add_parser(commands: Any) -> None:
                        help="seconds a request's KV may take from prefill to the decode node")
     proxy.add_argument("--timeout", type=float, default=600.0,
                        help="seconds to wait for a server's next bytes")
+    proxy.add_argument("--flow", choices=FLOWS, default="parallel",
+                       help="parallel: the decode server gets the request with the prefill "
+                            "server and waits for its KV (kvwire); sequential: after prefill "
+                            "answered, with the params it returned (connectors that pull)")
 
 
 def main(args: argparse.Namespace) -> int:
     proxy = Proxy([Server.parse(s, "prefill") for s in args.prefill],
                   [Server.parse(s, "decode") for s in args.decode],
-                  deadline=args.deadline, timeout=args.timeout)
+                  deadline=args.deadline, timeout=args.timeout, flow=args.flow)
     host, _, port = args.listen.rpartition(":")
     print(f"kvctl proxy on http://{args.listen}: prefill "
           f"{', '.join(s.url for s in proxy.prefill.servers)}; decode "
