@@ -6,7 +6,9 @@ layer are copied into the push's staging (registered memory of the local
 sender daemon), sealed, and committed, so layer n travels while the engine
 computes layer n + 1.
 
-The forward pass never waits on the network. A push is opened before the
+The forward pass never waits on the network, nor on the copy: a layer's
+copy into staging and its seal run on a thread of their own while the pass
+goes on. A push is opened before the
 pass starts (a lease from the receiver: one round trip); if it is not open
 when a layer is done (a full pool makes the receiver wait for room), that
 layer and the rest are copied later, from vLLM's blocks, on the client's
@@ -28,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +56,7 @@ class _Push:
     block_ids: torch.Tensor
     seal: LayerSeal
     started: float
-    staged: int = 0  # layers copied into staging, in order
+    submitted: int = 0  # layers handed to the stager, in order
     deferred: bool = False  # a layer was done before the push was open
     failed: bool = False
 
@@ -65,6 +68,8 @@ class Producer:
         self.cache = cache
         self.counters = counters
         self.thread = LoopThread()
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvwire-stage")
+        self._closed = False
         self._client: SenderClient | None = None
         self._connecting = asyncio.Lock()
         self._step: list[_Push] = []  # this forward pass's pushes
@@ -116,16 +121,29 @@ class Producer:
                 push.deferred = True  # this layer and the rest: once it opens
                 continue
             try:
-                self._stage(push, push.opening.result(), n)
+                outgoing = push.opening.result()
             except KvwireError as exc:
                 self._give_up(push, exc)
+                continue
+            # The copy and the seal's hash run on the stager's thread (both
+            # release the GIL), so the forward pass goes on to the next layer
+            # at once; the blocks stay vLLM's until they are all staged.
+            self._stager.submit(self._stage, push, outgoing, n)
+            push.submitted = n + 1
 
     def _stage(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
-        """Layer ``n`` into staging, sealed, and committed (from any thread)."""
+        """Layer ``n`` into staging, sealed, and committed (on the stager's thread)."""
+        if push.failed:
+            return
+        try:
+            self._copy_and_seal(push, outgoing, n)
+        except KvwireError as exc:
+            self._give_up(push, exc)
+
+    def _copy_and_seal(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
         layer = outgoing.layer(n)
         self.cache.read_blocks(n, push.block_ids, layer[: len(layer) - SEAL_BYTES])
         seal_layer(layer, dataclasses.replace(push.seal, layer=n))
-        push.staged = n + 1
         self.thread.loop.call_soon_threadsafe(self._commit, push, outgoing, n)
 
     def _commit(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
@@ -147,14 +165,14 @@ class Producer:
                 self.thread.loop.call_soon_threadsafe(
                     self._spawn, self._stage_deferred(push))
             else:
-                self._release(push)
+                self._stager.submit(self._release, push)  # after its layers: one thread
         self._step = []
 
     async def _stage_deferred(self, push: _Push) -> None:
         try:
             outgoing = await asyncio.wrap_future(push.opening)
-            for n in range(push.staged, self.cache.layers):
-                self._stage(push, outgoing, n)
+            for n in range(push.submitted, self.cache.layers):
+                await asyncio.wrap_future(self._stager.submit(self._stage, push, outgoing, n))
         except KvwireError as exc:
             self._give_up(push, exc)
         finally:
@@ -212,6 +230,11 @@ class Producer:
             if self._client is not None:
                 await self._client.close()
                 self._client = None
+        if self._closed:
+            return
+        self._closed = True
+        self._stager.submit(lambda: None).result()  # what was handed over is staged
         if self.thread.loop.is_running():
             self.thread.run(drain())
             self.thread.stop()
+        self._stager.shutdown(wait=True)
