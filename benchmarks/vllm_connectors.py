@@ -7,7 +7,9 @@ each way of serving, one after the other, a prefill ``vllm serve`` in one
 namespace and a decode one in the other, ``kvctl proxy`` in front (it
 passes any connector's ``kv_transfer_params``):
 
-- ``colocated``: one engine, no connector (the reference);
+- beside each, one engine with no connector (the reference), asked each
+  prompt just before: the added TTFT is the median of the paired
+  differences, which a drift of the machine cannot fake;
 - ``kvwire``: kvwire's connector and daemons;
 - ``nixl``: vLLM's NixlConnector over UCX on TCP, as shipped;
 - ``nixl-tuned``: the same with NIXL's progress thread polling every
@@ -16,7 +18,7 @@ passes any connector's ``kv_transfer_params``):
   answered on a CPU-only machine).
 
 Per prompt length (about 256, 1,000 and 4,000 tokens), ``--repeat`` prompts
-each: the TTFT a client sees; the added TTFT (minus the colocated p50); the
+each: the TTFT a client sees; the added TTFT (paired, as above); the
 decode side's part (after prefill answered: the pull connectors' whole
 transfer, kvwire's wait for what is left of its push); kvwire's transfer and
 the part of it after the last layer; and each engine's CPU use while idle.
@@ -49,7 +51,7 @@ from kvwire_vllm.model import make_model
 from kvwired.errors import KvwireError
 
 REPO = Path(__file__).resolve().parents[1]
-CONNECTORS = ["colocated", "kvwire", "nixl-tuned", "nixl", "mooncake"]
+CONNECTORS = ["kvwire", "nixl-tuned", "nixl", "mooncake"]
 LENGTHS = [256, 1000, 4000]
 DEADLINE = 30.0
 IDLE_SECONDS = 5.0
@@ -62,8 +64,6 @@ def server_settings(name: str, pair: NetnsPair, receiver: DaemonProcess,
                                                          dict[str, str]]]:
     """Per server to start: its host, its --kv-transfer-config, its environment."""
     hosts = {"prefill": pair.prefill.address, "decode": pair.decode.address}
-    if name == "colocated":
-        return [("decode", None, {})]
     if name == "kvwire":
         return [("prefill", kv_transfer_config("prefill", {"sender_socket": sender.socket,
                                                            "deadline": DEADLINE}), {}),
@@ -94,11 +94,14 @@ def server_settings(name: str, pair: NetnsPair, receiver: DaemonProcess,
 
 def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonProcess,
             model: Path, work: Path, prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
-    ports = {"prefill": 8100, "decode": 8200}
+    ports = {"prefill": 8100, "decode": 8200, "colocated": 8300}
     with ExitStack() as stack:
         servers: dict[str, ServeProcess] = {}
-        for side, kv, env in server_settings(name, pair, receiver, sender):
-            host = pair.prefill if side == "prefill" else pair.decode
+        # Each way of serving is measured against a plain engine running beside
+        # it, prompt by prompt: a drift of the machine hits both alike.
+        settings = [*server_settings(name, pair, receiver, sender), ("colocated", None, {})]
+        for side, kv, env in settings:
+            host = pair.prefill if side == "prefill" else pair.decode  # colocated: decode
             server = ServeProcess(model, host.address, ports[side],
                                   work / f"{name}-{side}.log", prefix=pair.argv(host, []),
                                   kv_cache_bytes=KV_CACHE, max_batched_tokens=BATCH,
@@ -107,6 +110,7 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
             servers[side] = server.start()
         for server in servers.values():
             server.wait_ready(timeout=600)
+        plain = servers.pop("colocated")
         if name == "mooncake":
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return _route(pair, servers)(batch)
@@ -119,17 +123,20 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return send(pair, url, batch)
         ask(prompts_of([64, 1000], seed=11))  # warm-up
+        send(pair, plain.url, prompts_of([64, 1000], seed=11))
         idle = _idle_cores(servers)
         rows: dict[int, list[dict[str, Any]]] = {}
         for length, batch in prompts.items():
             rows[length] = []
             for prompt in batch:
+                [alone] = send(pair, plain.url, [prompt])
                 [answer] = ask([prompt])
                 push = transfers(sender).get(answer["transfer"] or "", {}) \
                     if name == "kvwire" else {}
                 rows[length].append({
                     "ttft": answer["ttft"], "prefill_ms": answer["prefill_ms"],
-                    "tokens": answer["tokens"],
+                    "tokens": answer["tokens"], "ttft_colocated": alone["ttft"],
+                    "same": answer["tokens"] == alone["tokens"],
                     "transfer_seconds": push.get("transfer_seconds"),
                     "drain_seconds": push.get("drain_seconds")})
         return {"connector": name, "idle_cores": idle, "lengths": rows}
@@ -189,36 +196,31 @@ def p50(values: list[float]) -> float:
 
 
 def report(results: list[dict[str, Any]]) -> list[list[object]]:
-    colocated = next((r for r in results if r["connector"] == "colocated"), None)
     rows: list[list[object]] = []
     for result in results:
         for length, runs in result["lengths"].items():
             ttft = p50([r["ttft"] for r in runs]) * 1e3
-            base = (p50([r["ttft"] for r in colocated["lengths"][length]]) * 1e3
-                    if colocated else None)
+            alone = p50([r["ttft_colocated"] for r in runs]) * 1e3
+            added = p50([(r["ttft"] - r["ttft_colocated"]) * 1e3 for r in runs])
             decode_part = [r["ttft"] * 1e3 - r["prefill_ms"] for r in runs
                            if r["prefill_ms"] is not None]
-            same = "-"
-            if colocated and result is not colocated:
-                same = "yes" if all(r["tokens"] == c["tokens"] for r, c in
-                                    zip(runs, colocated["lengths"][length], strict=True)) \
-                    else "NO"
             transfer = [r["transfer_seconds"] * 1e3 for r in runs
                         if r["transfer_seconds"] is not None]
             drain = [r["drain_seconds"] * 1e3 for r in runs if r["drain_seconds"] is not None]
             rows.append([
-                result["connector"], length, f"{ttft:.0f}",
-                f"{ttft - base:+.0f}" if base is not None and result is not colocated else "-",
+                result["connector"], length, f"{alone:.0f}", f"{ttft:.0f}", f"{added:+.0f}",
                 f"{p50(decode_part):.0f}" if decode_part else "-",
                 f"{p50(transfer):.0f}" if transfer else "-",
                 f"{p50(drain):.1f}" if drain else "-",
                 f"{(1 - sum(drain) / sum(transfer)) * 100:.0f} %" if transfer else "-",
-                " / ".join(f"{v:.2f}" for v in result["idle_cores"].values()), same])
+                " / ".join(f"{v:.2f}" for v in result["idle_cores"].values()),
+                "yes" if all(r["same"] for r in runs) else "NO"])
     return rows
 
 
-HEADERS = ["connector", "tokens", "TTFT ms", "added ms", "decode side ms", "transfer ms",
-           "after last layer ms", "hidden", "idle cores (prefill / decode)", "same tokens"]
+HEADERS = ["connector", "tokens", "TTFT one engine ms", "TTFT ms", "added ms (paired p50)",
+           "decode side ms", "transfer ms", "after last layer ms", "hidden",
+           "idle cores (prefill / decode)", "same tokens"]
 
 
 def main() -> None:
