@@ -179,10 +179,11 @@ async def test_write_outside_the_region_fails_and_lands_nothing(pair: Pair) -> N
     channel = await pair.connect()
     pair.src_memory.view[:4096] = b"x" * 4096
     before = bytes(pair.dst_memory.view[SIZE - 4096 :])
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError) as refused:
         await asyncio.wait_for(channel.post([Write(0, SIZE - 100, 4096)]), 10)
     assert bytes(pair.dst_memory.view[SIZE - 4096 :]) == before
     if pair.name == "tcp":
+        assert isinstance(refused.value, RemoteAccessError)  # the NAK, as an RNIC answers
         # The responder checks bounds itself (an RNIC does it in hardware, and
         # verbs refuses the post before it reaches the wire): it fails its end
         # too, and the initiator's channel dies with it.
@@ -194,7 +195,7 @@ async def test_write_outside_the_region_fails_and_lands_nothing(pair: Pair) -> N
 async def test_write_with_a_wrong_region_key_is_a_remote_access_error(pair: Pair) -> None:
     channel = await pair.connect(_wrong_key(pair.name))
     pair.src_memory.view[:64] = b"k" * 64
-    with pytest.raises(TransportError):
+    with pytest.raises(RemoteAccessError):
         await asyncio.wait_for(channel.post([Write(0, 0, 64)]), 30)
     assert bytes(pair.dst_memory.view[:64]) == b"\0" * 64
     assert not channel.alive

@@ -590,10 +590,13 @@ class TcpTransport(Transport):
             ) from exc
 
     def check_access(self, key: int, offset: int, length: int) -> None:
+        # RemoteAccessError, as the per-lease check raises: the parser answers
+        # exactly that with a NAK, so the initiator hears what an RNIC says.
         if key != self._key:
-            raise TransportError(f"remote access error: write with unknown region key {key:#x}")
+            raise RemoteAccessError(
+                f"remote access error: write with unknown region key {key:#x}")
         if offset < 0 or length < 0 or offset + length > self.memory_view.nbytes:
-            raise TransportError(
+            raise RemoteAccessError(
                 f"remote access error: write of {length} B at {offset} is outside the "
                 f"{self.memory_view.nbytes} B region"
             )
