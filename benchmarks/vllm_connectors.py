@@ -46,7 +46,7 @@ from typing import Any
 from kvctl import table
 from kvctl.netns import DaemonProcess, NetnsPair, two_hosts
 from kvctl.vllm.demo import prompts_of, send, transfers
-from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config
+from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config, start_proxy
 from kvwire_vllm.model import make_model
 from kvwired.errors import KvwireError
 
@@ -117,8 +117,13 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
         else:
             url = servers["decode"].url
             if "prefill" in servers:
-                url = _proxy(stack, pair, servers, work / f"{name}-proxy.log",
-                             "parallel" if name == "kvwire" else "sequential")
+                # kvctl proxy: parallel for kvwire, sequential for NIXL (it
+                # pulls with the params the prefill answer carries).
+                url = start_proxy(stack, pair.argv(pair.prefill, []), servers["prefill"].url,
+                                  f"decode={servers['decode'].url}",
+                                  f"{pair.prefill.address}:8000", DEADLINE,
+                                  work / f"{name}-proxy.log",
+                                  "parallel" if name == "kvwire" else "sequential")
 
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return send(pair, url, batch)
@@ -140,26 +145,6 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                     "transfer_seconds": push.get("transfer_seconds"),
                     "drain_seconds": push.get("drain_seconds")})
         return {"connector": name, "idle_cores": idle, "lengths": rows}
-
-
-def _proxy(stack: ExitStack, pair: NetnsPair, servers: dict[str, ServeProcess],
-           log: Path, flow: str) -> str:
-    """kvctl proxy: parallel for kvwire, sequential for NIXL (it pulls with the
-    params the prefill answer carries)."""
-    proxy = subprocess.Popen(
-        [*pair.argv(pair.prefill, []), sys.executable, "-m", "kvctl", "proxy",
-         "--prefill", servers["prefill"].url, "--decode", f"decode={servers['decode'].url}",
-         "--listen", f"{pair.prefill.address}:8000", "--deadline", str(DEADLINE),
-         "--flow", flow],
-        stdout=log.open("w"), stderr=subprocess.STDOUT)
-    stack.callback(proxy.wait)
-    stack.callback(proxy.terminate)
-    deadline = time.monotonic() + 30
-    while "kvctl proxy on" not in log.read_text():
-        if proxy.poll() is not None or time.monotonic() > deadline:
-            raise EngineError(f"the proxy did not start: {log.read_text()}")
-        time.sleep(0.1)
-    return f"http://{pair.prefill.address}:8000"
 
 
 def _route(pair: NetnsPair, servers: dict[str, ServeProcess]

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import pytest
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, receiver_config, scrape_in
 from kvctl.netns import sender_config as netns_sender_config
 from kvctl.vllm import engines
-from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess
+from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess, start_proxy
 from kvwire_vllm.model import make_model
 from kvwire_vllm.params import new_transfer_id
 from kvwired.client import SyncReceiverClient, SyncSenderClient
@@ -245,20 +246,15 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
                      "prefill", hosts.connector("prefill"), on_prefill),
         ServeProcess(model, pair.decode.address, 8200, hosts.workdir / "serve-decode.log",
                      "decode", hosts.connector("decode"), on_decode)]
-    proxy_log = hosts.workdir / "proxy.log"
-    proxy: subprocess.Popen[bytes] | None = None
-    try:
+    with ExitStack() as stack:
         for server in servers:
+            stack.callback(server.stop)
             server.start()
         for server in servers:
             server.wait_ready()
-        proxy = subprocess.Popen(
-            [*on_prefill, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill_url,
-             "--decode", f"decode={decode_url}", "--listen", f"{pair.prefill.address}:8000",
-             "--deadline", str(DEADLINE)],
-            stdout=proxy_log.open("w"), stderr=subprocess.STDOUT)
-        proxy_url = f"http://{pair.prefill.address}:8000"
-        _wait_for(lambda: "kvctl proxy on" in proxy_log.read_text(), "the proxy")
+        proxy_url = start_proxy(stack, on_prefill, prefill_url, f"decode={decode_url}",
+                                f"{pair.prefill.address}:8000", DEADLINE,
+                                hosts.workdir / "proxy.log")
         delivered = hosts.receiver_total("kvwire_requests_total", outcome="delivered")
         answers = _load(pair, proxy_url, prompts, concurrency=4)
         for n, (answer, reference) in enumerate(zip(answers, colocated, strict=True)):
@@ -281,12 +277,6 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
         with SyncReceiverClient(hosts.receiver.socket) as decode_engine:
             decode_engine.wait_delivered(down["transfer"], timeout=10)
             decode_engine.release(down["transfer"])
-    finally:
-        if proxy is not None:
-            proxy.terminate()
-            proxy.wait()
-        for server in servers:
-            server.stop()
 
 
 def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_later(

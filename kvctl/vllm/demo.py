@@ -36,7 +36,7 @@ from kvwired.errors import KvwireError
 
 from .. import table
 from ..netns import DaemonProcess, NetnsPair, two_hosts
-from .engines import ServeProcess
+from .engines import ServeProcess, start_proxy
 
 LENGTHS = [256, 1000, 2000] * 3  # one at a time
 BURST = [300, 700, 1100, 1500, 500, 900, 1300, 1700]  # at once
@@ -74,7 +74,6 @@ def servers(pair: NetnsPair, model: Path, work: Path, receiver: DaemonProcess,
                                    work / "serve-colocated.log", None, None, on_decode,
                                    kv_cache_bytes=memory))]
     urls = {name: server.url for name, server in serve}
-    proxy: subprocess.Popen[bytes] | None = None
     with ExitStack() as stack:
         for _, server in serve:
             stack.callback(server.stop)
@@ -83,20 +82,9 @@ def servers(pair: NetnsPair, model: Path, work: Path, receiver: DaemonProcess,
         for name, server in serve:
             server.wait_ready(timeout=600)
             print(f"  {name} server ready after {time.monotonic() - started:.0f} s", flush=True)
-        proxy_log = work / "proxy.log"
-        proxy = subprocess.Popen(
-            [*on_prefill, sys.executable, "-m", "kvctl", "proxy",
-             "--prefill", urls["prefill"], "--decode", f"decode={urls['decode']}",
-             "--listen", f"{pair.prefill.address}:{PORTS['proxy']}",
-             "--deadline", str(DEADLINE)], stdout=proxy_log.open("w"), stderr=subprocess.STDOUT)
-        stack.callback(proxy.wait)
-        stack.callback(proxy.terminate)
-        deadline = time.monotonic() + 30
-        while "kvctl proxy on" not in proxy_log.read_text():
-            if proxy.poll() is not None or time.monotonic() > deadline:
-                raise DemoFailed(f"the proxy did not start:\n{proxy_log.read_text()}")
-            time.sleep(0.1)
-        urls["proxy"] = f"http://{pair.prefill.address}:{PORTS['proxy']}"
+        urls["proxy"] = start_proxy(
+            stack, on_prefill, urls["prefill"], f"decode={urls['decode']}",
+            f"{pair.prefill.address}:{PORTS['proxy']}", DEADLINE, work / "proxy.log")
         yield urls
 
 

@@ -8,6 +8,7 @@ the demo and the user-path test use it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -231,3 +232,22 @@ def process_group_cpu(group: int) -> float:
         if int(fields[2]) == group:
             total += int(fields[11]) + int(fields[12])
     return total / ticks
+
+
+def start_proxy(stack: contextlib.ExitStack, prefix: Sequence[str], prefill: str,
+                decode: str, listen: str, deadline: float, log: Path,
+                flow: str = "parallel", timeout: float = 30.0) -> str:
+    """``kvctl proxy`` started (behind ``prefix``, e.g. a namespace) and
+    stopped with ``stack``; its URL once it listens."""
+    proxy = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill,
+         "--decode", decode, "--listen", listen, "--deadline", str(deadline), "--flow", flow],
+        stdout=log.open("w"), stderr=subprocess.STDOUT)
+    stack.callback(proxy.wait)
+    stack.callback(proxy.terminate)
+    ends = time.monotonic() + timeout
+    while "kvctl proxy on" not in log.read_text():
+        if proxy.poll() is not None or time.monotonic() > ends:
+            raise EngineError(f"the proxy did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    return f"http://{listen}"
