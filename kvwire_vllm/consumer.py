@@ -28,6 +28,7 @@ from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
 from .cache import KVCacheBlocks
+from .daemon_link import DaemonLink
 from .params import ConnectorSettings
 from .scheduling import LoadPlan
 from .seal import LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
@@ -43,8 +44,7 @@ class Consumer:
         self.cache = cache
         self.counters = counters
         self.thread = LoopThread()
-        self._client: ReceiverClient | None = None
-        self._connecting = asyncio.Lock()
+        self._daemon = DaemonLink(lambda: ReceiverClient.connect(self.settings.receiver_socket))
         self._tasks: dict[str, asyncio.Task[None]] = {}  # touched on the loop only
         self._lock = threading.Lock()
         self._finished: set[str] = set()
@@ -77,21 +77,12 @@ class Consumer:
             with self._lock:
                 self._finished.add(plan.req_id)
 
-    async def _receiver(self) -> ReceiverClient:
-        async with self._connecting:
-            if self._client is None or self._client.conn.broken is not None:
-                if self._client is not None:
-                    await self._client.close()
-                self._client = None
-                self._client = await ReceiverClient.connect(self.settings.receiver_socket)
-            return self._client
-
     async def _load(self, plan: LoadPlan) -> None:
         """Each layer is checked and copied as it lands (while the prefill engine
         still computes the next ones); the load is done once every layer is
         copied and the receiver says the request is delivered."""
         transfer = plan.order.transfer
-        client = await self._receiver()
+        client = await self._daemon.client()
         copied: set[int] = set()
         try:
             async with asyncio.timeout(plan.order.wait):
@@ -170,9 +161,7 @@ class Consumer:
         async def disconnect() -> None:
             for task in list(self._tasks.values()):
                 task.cancel()
-            if self._client is not None:
-                await self._client.close()
-                self._client = None
+            await self._daemon.close()
         if self.thread.loop.is_running():
             self.thread.run(disconnect())
             self.thread.stop()

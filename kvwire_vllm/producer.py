@@ -41,6 +41,7 @@ from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
 
 from .cache import KVCacheBlocks
+from .daemon_link import DaemonLink
 from .params import ConnectorSettings
 from .scheduling import PushPlan
 from .seal import SEAL_BYTES, LayerSeal, layer_bytes, seal_layer, transfer_hash
@@ -70,8 +71,7 @@ class Producer:
         self.thread = LoopThread()
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvwire-stage")
         self._closed = False
-        self._client: SenderClient | None = None
-        self._connecting = asyncio.Lock()
+        self._daemon = DaemonLink(lambda: SenderClient.connect(self.settings.sender_socket))
         self._step: list[_Push] = []  # this forward pass's pushes
         self._tasks: set[asyncio.Task[None]] = set()  # touched on the loop only
         self._lock = threading.Lock()
@@ -91,18 +91,8 @@ class Producer:
                                     torch.tensor(plan.block_ids, dtype=torch.int64), seal,
                                     time.perf_counter()))
 
-    async def _sender(self) -> SenderClient:
-        """The connection to the sender daemon; a new one after a daemon restart."""
-        async with self._connecting:
-            if self._client is None or self._client.conn.broken is not None:
-                if self._client is not None:
-                    await self._client.close()
-                self._client = None
-                self._client = await SenderClient.connect(self.settings.sender_socket)
-            return self._client
-
     async def _open(self, plan: PushPlan) -> OutgoingPush:
-        client = await self._sender()
+        client = await self._daemon.client()
         shape = RequestShape(self.cache.layers,
                              layer_bytes(len(plan.block_ids), self.cache.block_bytes))
         return await client.open(plan.order.transfer, plan.order.receiver, shape,
@@ -227,9 +217,7 @@ class Producer:
         async def drain() -> None:
             while self._tasks:
                 await asyncio.wait(set(self._tasks))
-            if self._client is not None:
-                await self._client.close()
-                self._client = None
+            await self._daemon.close()
         if self._closed:
             return
         self._closed = True
