@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,12 +288,9 @@ def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_late
     engine = OfflineProcess(prefill_job(hosts, model, few, transfers, go), tmp_path / "prefill")
     try:
         engine.wait_mark("built")
-        os.kill(hosts.receiver.pid, signal.SIGSTOP)
-        try:
+        with _stopped(hosts.receiver):
             go.touch()
             engine.wait_mark("round 0 generated", timeout=60)  # the receiver still stopped
-        finally:
-            os.kill(hosts.receiver.pid, signal.SIGCONT)
         pushed = engine.result()
     finally:
         engine.kill()
@@ -310,13 +307,10 @@ def test_a_prefill_engine_killed_mid_push_leaves_a_recomputed_answer_and_a_free_
     engine = OfflineProcess(prefill_job(hosts, model, few, transfers, go), tmp_path / "prefill")
     try:
         engine.wait_mark("built")
-        os.kill(hosts.receiver.pid, signal.SIGSTOP)
-        try:
+        with _stopped(hosts.receiver):
             go.touch()
             engine.wait_mark("round 0 generated", timeout=60)
             engine.kill()  # its pushes wait for leases: mid-push
-        finally:
-            os.kill(hosts.receiver.pid, signal.SIGCONT)
     finally:
         engine.kill()
     loaded = decode(hosts, model, few, expected_params(few, transfers))
@@ -404,6 +398,16 @@ def test_a_decode_engine_killed_while_holding_slots_gives_them_back(
     again = decode(hosts, model, few, expected_params(few, transfers))
     assert [o["tokens"] for o in again["outputs"]] == colocated[7:10]
     assert again["counters"]["load_failures"] == 3
+
+
+@contextmanager
+def _stopped(daemon: DaemonProcess) -> Iterator[None]:
+    """``daemon`` frozen (SIGSTOP) for the block, running again after it."""
+    os.kill(daemon.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(daemon.pid, signal.SIGCONT)
 
 
 def _load(pair: NetnsPair, url: str, prompts: list[list[int]],
