@@ -154,8 +154,8 @@ async def test_a_receiver_whose_channel_is_not_replaced_drops_the_session_after_
         await until(lambda: link.connected, what="connected")
         (session,) = daemons.receiver.sessions
         failed = daemons.receiver.metrics.channel_replacements.labels(session.label, "failed")
-        daemons.receiver._on_data_error(session, 0, session.responders[0],
-                                        PeerLost("incoming data connection closed"))
+        daemons.receiver.channels.failed(session, 0, session.responders[0],
+                                         PeerLost("incoming data connection closed"))
         assert 0 in session.broken
         waited = await until(lambda: not session.alive, what="the session dropped")
         assert waited >= 4 * 0.2 * 0.9

@@ -391,7 +391,7 @@ async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: P
     async def lost_track(lease: object) -> None:
         return None  # every byte landed, but no "delivered" ever goes out
 
-    daemons.receiver._complete = lost_track  # type: ignore[method-assign]
+    daemons.receiver.landing.complete = lost_track  # type: ignore[method-assign]
     try:
         async with await SenderClient.connect(daemons.sender_socket) as client:
             with pytest.raises(PeerLost, match=r"did not confirm delivery within 0\.5 s"):

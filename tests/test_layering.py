@@ -31,7 +31,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "transport": ("kvwired.transport", "kvwired.transport.*"),
     "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate",
                     "kvwired.discovery.registry", "kvwired.discovery.presence"),
-    "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.sender", "kvwired.sender.*"),
+    "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.receiver.*", "kvwired.sender",
+                "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
     "client": ("kvwired.client",),
     "wiring": ("kvwired.cli", "kvwired.__main__"),
@@ -70,6 +71,15 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     # The vLLM connector's plain parts: the proxy's transfer ids,
                     # the demo's local model. Never the parts that import vLLM.
                     "kvwire_vllm", "kvwire_vllm.params", "kvwire_vllm.model")
+
+
+# Inside each daemon's package, bottom to top: a part imports only the parts
+# before it, and the package's daemon wires them (hands each what it needs).
+PARTS: dict[str, tuple[str, ...]] = {
+    "kvwired.receiver": ("session", "keys", "leases", "engines", "landing", "channels",
+                         "senders", "daemon"),
+    "kvwired.sender": ("ledger", "link", "push", "engines", "daemon"),
+}
 
 
 def _module_name(path: Path) -> str:
@@ -118,6 +128,19 @@ def test_every_import_follows_the_layer_rule(name: str) -> None:
         else:
             allowed = target == layer or target in MAY_IMPORT[layer]
         assert allowed, f"{name} ({layer}) may not import {imported} ({target})"
+
+
+@pytest.mark.parametrize("package", sorted(PARTS))
+def test_a_daemons_parts_import_only_the_parts_below_them(package: str) -> None:
+    order = PARTS[package]
+    inside = {m for m in MODULES if m.startswith(f"{package}.")}
+    assert {m.removeprefix(f"{package}.") for m in inside} == set(order), \
+        f"place every module of {package} in PARTS (tests/test_layering.py)"
+    for name in sorted(inside):
+        rank = order.index(name.removeprefix(f"{package}."))
+        for imported in sorted(imports_of(name) & inside):
+            assert order.index(imported.removeprefix(f"{package}.")) < rank, \
+                f"{name} may not import {imported}: it is not below it in PARTS"
 
 
 def test_no_import_cycles() -> None:

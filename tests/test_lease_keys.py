@@ -128,8 +128,8 @@ async def test_another_sessions_key_grants_nothing(local: LocalDaemons, rogue: R
     async with await SenderClient.connect(local.sender_socket) as client:
         push = await client.open("victim", "decode", RequestShape(1, len(VICTIM)))
         leaked = local.receiver.by_req["victim"]
-        assert leaked.key_state == "live"
-        assert await rogue.write(leaked.keys[0], leaked.slot.offset, b"\xee" * 512) == OP_NAK
+        assert leaked.keys.takes_writes
+        assert await rogue.write(leaked.keys.keys[0], leaked.slot.offset, b"\xee" * 512) == OP_NAK
         push.layer(0)[:] = VICTIM
         push.commit(0)
         result = await push.finish()

@@ -11,6 +11,8 @@ the staging get every byte back exactly once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 from hypothesis import settings
@@ -18,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvwired.lifecycle import IllegalTransition
+from kvwired.lifecycle.key import KEY_TABLE, KeyState
 from kvwired.lifecycle.lease import (
     LEASE_TABLE,
     LeaseAction,
@@ -28,6 +31,9 @@ from kvwired.lifecycle.lease import (
 )
 from kvwired.lifecycle.link import LINK_TABLE, LinkAction, LinkEvent, LinkMachine, LinkState
 from kvwired.lifecycle.push import PUSH_TABLE, PushAction, PushEvent, PushMachine, PushState
+from kvwired.receiver.keys import LeaseKeys
+from kvwired.receiver.session import SenderSession
+from kvwired.transport.base import Responder
 
 # ------------------------------------------------------------ each on its own
 
@@ -141,6 +147,65 @@ TestPushAlone = PushAlone.TestCase
 TestLinkAlone = LinkAlone.TestCase
 
 
+class SlowRevoker:
+    """A responder whose revocations end when the test says (as rxe's do: a
+    key is dead only once the queue pair has no write under it in flight)."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.pending: list[Callable[[], None]] = []
+
+    def revoke(self, key: int, then: Callable[[], None]) -> None:
+        self.asked.append(key)
+        self.pending.append(then)
+
+
+class KeysAlone(RuleBasedStateMachine):
+    """A lease's keys on two channels, revoked when all land and again when
+    freed, in any order against the responders' confirmations: each key is
+    revoked once, and what waits (the slot's return) runs once, after every
+    responder confirmed, never before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.revokers = [SlowRevoker(), SlowRevoker()]
+        session = SenderSession(conn=cast(Any, None),
+                                responders=cast(list[Responder], self.revokers))
+        self.keys = LeaseKeys("r", session, [11, 22])
+        self.waiters = 0
+        self.ran = 0
+
+    @rule(wait=st.booleans())
+    def revoke(self, wait: bool) -> None:
+        if wait:
+            self.waiters += 1
+        self.keys.revoke(self._ran if wait else None)
+
+    def _ran(self) -> None:
+        assert all(not r.pending for r in self.revokers), "ran before every confirmation"
+        self.ran += 1
+
+    @rule(channel=st.sampled_from([0, 1]))
+    def responder_confirms(self, channel: int) -> None:
+        revoker = self.revokers[channel]
+        if revoker.pending:
+            revoker.pending.pop(0)()
+
+    @invariant()
+    def each_key_is_revoked_once_on_its_own_channel(self) -> None:
+        asked = [r.asked for r in self.revokers]
+        assert asked in ([[], []], [[11], [22]])
+        assert self.keys.takes_writes == (asked == [[], []])
+
+    @invariant()
+    def waiters_run_once_when_revoked(self) -> None:
+        revoked = self.keys.machine.state is KeyState.REVOKED
+        assert self.ran == (self.waiters if revoked else 0)
+
+
+TestKeysAlone = KeysAlone.TestCase
+
+
 def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
     assert {s for s, _ in LEASE_TABLE} | {t.target for t in LEASE_TABLE.values()} == set(
         LeaseState)
@@ -148,6 +213,7 @@ def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
         PushState)
     assert {s for s, _ in LINK_TABLE} | {t.target for t in LINK_TABLE.values()} == set(
         LinkState)
+    assert {s for s, _ in KEY_TABLE} | {t.target for t in KEY_TABLE.values()} == set(KeyState)
 
 
 # -------------------------------------------------------- both ends together

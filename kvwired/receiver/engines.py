@@ -1,0 +1,208 @@
+"""Decode engines on the receiver's unix socket: subscriptions, releases, reclaim.
+
+An engine subscribes to a request by id, before or after it is opened, and
+hears each layer as it lands, then ``complete`` or ``failed``. It releases
+the request when it has read it. A delivered request nobody claims within
+``unclaimed_ttl``, or whose engines all left, is reclaimed. An engine that
+asks for a request which already ended undelivered is told at once
+(``MissedFailures``), so none waits out its own deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import ClassVar
+
+import structlog
+
+from ..config import ReceiverConfig
+from ..errors import KvwireError, ProtocolError, RequestAborted, UsageError
+from ..lifecycle.lease import LeaseEvent, LeaseState
+from ..metrics import Metrics
+from ..protocol import Message, encode, message
+from ..verdicts import MissedFailures
+from .leases import Lease, LeaseBook
+
+log = structlog.get_logger("kvwired.receiver")
+
+
+class Consumer:
+    """A decode engine on the unix socket."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.subscribed: set[str] = set()
+
+    def send(self, msg: Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(msg))
+
+
+class Engines:
+    """The decode engines' subscriptions, and the leases' watchers
+    (kvwired.receiver.leases.LeaseWatchers)."""
+
+    def __init__(self, config: ReceiverConfig, metrics: Metrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.subscribers: dict[str, set[Consumer]] = {}
+        self.missed = MissedFailures()  # for decode engines that subscribe late
+        self._book: LeaseBook | None = None
+        # Read at scrape time, on the metrics thread: a copy of the sets' sizes.
+        metrics.subscriptions.set_function(
+            lambda: float(sum(map(len, list(self.subscribers.values())))))
+
+    def attach(self, book: LeaseBook) -> None:
+        """The leases engines subscribe to (the book is built with us as its watchers)."""
+        self._book = book
+
+    @property
+    def book(self) -> LeaseBook:
+        assert self._book is not None, "Engines.attach comes at wiring time"
+        return self._book
+
+    # ----------------------------------------- what engines send us
+
+    def handle(self, consumer: Consumer, msg: Message) -> None:
+        kind = msg["t"]
+        handler = self._handlers.get(kind)
+        if handler is None:
+            raise ProtocolError(f"a decode engine may not send {kind!r}")
+        handler(self, consumer, msg["req"])
+
+    def subscribe(self, consumer: Consumer, req: str) -> None:
+        lease = self.book.by_req.get(req)
+        missed = self.missed.lookup(req, asyncio.get_running_loop().time())
+        if lease is None and missed is not None:
+            # It ended, undelivered, before this engine asked: say so now.
+            consumer.send(message("failed", req=req, error=missed.to_wire()))
+            return
+        consumer.subscribed.add(req)
+        self.subscribers.setdefault(req, set()).add(consumer)
+        if lease is None:
+            return  # not opened yet: events follow when it is
+        lease.holders.add(consumer)
+        lease.claimed = True
+        for n in range(lease.landed):
+            consumer.send(lease.layer_message(n))
+        if lease.state is LeaseState.HELD:
+            consumer.send(lease.complete_message())
+
+    def unsubscribe(self, consumer: Consumer, req: str) -> None:
+        """The engine lets go without releasing: a delivered request is kept for
+        another engine, and reclaimed if none subscribes within unclaimed_ttl."""
+        consumer.subscribed.discard(req)
+        self._forget_subscriber(consumer, req)
+        lease = self.book.by_req.get(req)
+        if lease is not None and consumer in lease.holders:
+            lease.holders.discard(consumer)
+            if not lease.holders:
+                lease.claimed = False
+                if lease.state is LeaseState.HELD:
+                    self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+        consumer.send(message("unsubscribed", req=req))
+
+    def release(self, consumer: Consumer, req: str) -> None:
+        lease = self.book.by_req.get(req)
+        if lease is None:
+            consumer.send(message("failed", req=req, error=UsageError(
+                f"request {req} is not held by this receiver",
+                hint="release only requests you subscribed to and saw complete").to_wire()))
+            return
+        # The releasing engine is told "released", not that its request failed.
+        self.subscribers.get(req, set()).discard(consumer)
+        consumer.subscribed.discard(req)
+        if lease.machine.arriving:
+            lease.error = RequestAborted(
+                f"the decode engine released request {req} before it was delivered",
+                hint="release a request once it is delivered, or let the sender finish it")
+        self.book.event(lease, LeaseEvent.ENGINE_RELEASE)
+        self.subscribers.pop(req, None)
+        consumer.send(message("released", req=req))
+
+    _handlers: ClassVar[Mapping[str, Callable[[Engines, Consumer, str], None]]] = {
+        "subscribe": subscribe, "unsubscribe": unsubscribe, "release": release}
+
+    def gone(self, consumer: Consumer) -> None:
+        """A decode engine left (or died): what only it held goes back to the pool."""
+        for req in consumer.subscribed:
+            self._forget_subscriber(consumer, req)
+            lease = self.book.by_req.get(req)
+            if lease is None:
+                continue
+            lease.holders.discard(consumer)
+            if lease.state is LeaseState.HELD and not lease.holders:
+                self._reclaim(lease, "engine_gone", "its decode engine left without "
+                              "releasing it")
+
+    def _forget_subscriber(self, consumer: Consumer, req: str) -> None:
+        subs = self.subscribers.get(req)
+        if subs is not None:
+            subs.discard(consumer)
+            if not subs:
+                del self.subscribers[req]
+
+    # ------------------------------------------- what leases tell us
+
+    def notify(self, req: str, msg: Message) -> None:
+        for consumer in self.subscribers.get(req, ()):
+            consumer.send(msg)
+
+    def fail(self, req: str, error: KvwireError) -> None:
+        """``failed`` is a subscription's last word: an engine that wants the id
+        again (a request pushed anew) subscribes anew."""
+        self.notify(req, message("failed", req=req, error=error.to_wire()))
+        for consumer in self.subscribers.pop(req, ()):
+            consumer.subscribed.discard(req)
+
+    def refused(self, req: str, error: KvwireError) -> None:
+        """A decode engine waiting for a request this receiver refused learns it
+        now, with the sender's reason: the same outcome at both ends, and no
+        engine left waiting for a request that will not come."""
+        self.fail(req, error)
+        self.missed.record(req, error, asyncio.get_running_loop().time())
+
+    def opened(self, lease: Lease) -> None:
+        # Engines that subscribed before it was opened hold it already.
+        lease.holders = set(self.subscribers.get(lease.req, ()))
+        lease.claimed = bool(lease.holders)
+        self.missed.forget(lease.req)
+
+    def decided(self, lease: Lease, error: KvwireError | None) -> None:
+        if error is not None:
+            self.missed.record(lease.req, error, asyncio.get_running_loop().time())
+
+    def delivered(self, lease: Lease) -> None:
+        if lease.claimed and not lease.holders:
+            # Every engine that asked for it left while it was arriving.
+            self._reclaim(lease, "engine_gone", "its decode engines left before it was "
+                          "delivered")
+        elif not lease.claimed:
+            self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+
+    # ------------------------------------------------------- reclaim
+
+    def _reclaim_unclaimed_after(self, lease: Lease, ttl: float) -> None:
+        """From now, ``ttl`` for an engine to subscribe; an earlier timer is void
+        (an engine subscribed and let go since)."""
+        if lease.unclaimed_timer is not None:
+            lease.unclaimed_timer.cancel()
+
+        def reclaim() -> None:
+            if lease.state is LeaseState.HELD and not lease.claimed:
+                self._reclaim(lease, "unclaimed", f"no decode engine subscribed to it "
+                              f"within unclaimed_ttl ({ttl:g} s)")
+        lease.unclaimed_timer = asyncio.get_running_loop().call_later(ttl, reclaim)
+
+    def _reclaim(self, lease: Lease, reason: str, why: str) -> None:
+        """Free a delivered request nobody will release (logged and counted once)."""
+        log.warning("delivered request reclaimed", req=lease.req, sender=lease.session.name,
+                    reason=reason, why=why)
+        self.metrics.reclaimed.labels(reason).inc()
+        self.book.event(lease, LeaseEvent.RECLAIM)
+        # An engine that asks for it later learns it is gone, and why.
+        self.missed.record(lease.req, RequestAborted(
+            f"request {lease.req} was delivered, then reclaimed: {why}",
+            hint="a decode engine must subscribe within unclaimed_ttl and release what "
+                 "it subscribed to"), asyncio.get_running_loop().time())
