@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import contextlib
 
-from kvwired.transport.tcp import HEADER, OP_WRITE, TOKEN_BYTES
+from kvwired.transport.tcp_frames import HEADER, TO_RESPONDER, TOKEN_BYTES, decode_header
 
 
 class Flipper:
@@ -31,9 +31,9 @@ class Flipper:
         writer.write(await reader.readexactly(TOKEN_BYTES))
         while True:
             header = await reader.readexactly(HEADER.size)
-            op, _flags, _key, _imm, length, _offset, _wr = HEADER.unpack(header)
+            length = decode_header(header, 0, TO_RESPONDER).length
             writer.write(header)
-            body = bytearray(await reader.readexactly(length) if op == OP_WRITE else b"")
+            body = bytearray(await reader.readexactly(length))
             if body and not self.flipped and length >= self.min_bytes:
                 body[length // 2] ^= 0x10
                 self.flipped = True

@@ -16,7 +16,7 @@ from kvwired import checksum, immediate
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
-from kvwired.transport.tcp import FLAG_IMM, FLAG_SIGNALED, HEADER, OP_ACK, OP_NAK, OP_WRITE
+from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from .conftest import LocalDaemons, until
 
@@ -59,7 +59,7 @@ class Rogue:
             self.data[1].write(bytes(params["token"]))
         reader, writer = self.data
         flags = FLAG_SIGNALED | (FLAG_IMM if imm is not None else 0)
-        writer.write(HEADER.pack(OP_WRITE, flags, key, imm or 0, len(payload), offset, 7))
+        writer.write(encode_write(flags, key, imm or 0, len(payload), offset, 7))
         writer.write(payload)
         reply = await asyncio.wait_for(reader.readexactly(HEADER.size), 10)
         return int(HEADER.unpack(reply)[0])
@@ -101,7 +101,7 @@ async def test_a_write_outside_its_own_lease_is_refused(local: LocalDaemons,
     consumer, victim, victim_offset = await _victim_held(local)
     lease = await rogue.lease("mine", 4096)
     # Its own key, aimed at the victim's bytes.
-    assert await rogue.write(lease["keys"][0], victim_offset, b"\xff" * 4096) == OP_NAK
+    assert await rogue.write(lease["keys"][0], victim_offset, b"\xff" * 4096) == Op.NAK
     assert bytes(victim) == VICTIM
     await consumer.release("victim")
     await until(lambda: _refused_writes(local) == 1, what="the refusal counted")
@@ -109,14 +109,14 @@ async def test_a_write_outside_its_own_lease_is_refused(local: LocalDaemons,
 
 async def test_a_write_just_past_its_lease_is_refused(rogue: Rogue) -> None:
     lease = await rogue.lease("mine", 4096)
-    assert await rogue.write(lease["keys"][0], lease["offset"], b"\x01" * 4096) == OP_ACK
-    assert await rogue.write(lease["keys"][0], lease["offset"] + 1, b"\x01" * 4096) == OP_NAK
+    assert await rogue.write(lease["keys"][0], lease["offset"], b"\x01" * 4096) == Op.ACK
+    assert await rogue.write(lease["keys"][0], lease["offset"] + 1, b"\x01" * 4096) == Op.NAK
 
 
 async def test_the_region_key_grants_nothing(local: LocalDaemons, rogue: Rogue) -> None:
     consumer, victim, victim_offset = await _victim_held(local)
     region_key = rogue.ready["params"]["region"]["key"]
-    assert await rogue.write(region_key, victim_offset, b"\xee" * 512) == OP_NAK
+    assert await rogue.write(region_key, victim_offset, b"\xee" * 512) == Op.NAK
     assert bytes(victim) == VICTIM
     await consumer.release("victim")
 
@@ -129,7 +129,7 @@ async def test_another_sessions_key_grants_nothing(local: LocalDaemons, rogue: R
         push = await client.open("victim", "decode", RequestShape(1, len(VICTIM)))
         leaked = local.receiver.by_req["victim"]
         assert leaked.keys.takes_writes
-        assert await rogue.write(leaked.keys.keys[0], leaked.slot.offset, b"\xee" * 512) == OP_NAK
+        assert await rogue.write(leaked.keys.keys[0], leaked.slot.offset, b"\xee" * 512) == Op.NAK
         push.layer(0)[:] = VICTIM
         push.commit(0)
         result = await push.finish()
@@ -147,7 +147,7 @@ async def test_an_old_key_after_its_lease_ended_is_refused(local: LocalDaemons,
     await rogue.answer("abort_ack")
     await until(lambda: local.receiver.pool.used_bytes == 0, what="the slot back")
     consumer, victim, _ = await _victim_held(local)  # may reuse the slot
-    assert await rogue.write(lease["keys"][0], lease["offset"], b"\xdd" * 4096) == OP_NAK
+    assert await rogue.write(lease["keys"][0], lease["offset"], b"\xdd" * 4096) == Op.NAK
     assert bytes(victim) == VICTIM
     await consumer.release("victim")
 
@@ -157,15 +157,15 @@ async def test_a_delivered_request_no_longer_takes_writes_from_its_own_sender(
     lease = await rogue.lease("own", 4096)
     # Its one layer, with the immediate that announces it: delivered.
     assert await rogue.write(lease["keys"][0], lease["offset"], b"\x01" * 4096,
-                             imm=immediate.pack(lease["lease"], 0)) == OP_ACK
+                             imm=immediate.pack(lease["lease"], 0)) == Op.ACK
     assert (await rogue.answer("delivered"))["checksum"] == checksum.of_buffer(b"\x01" * 4096)
-    assert await rogue.write(lease["keys"][0], lease["offset"], b"\x02" * 4096) == OP_NAK
+    assert await rogue.write(lease["keys"][0], lease["offset"], b"\x02" * 4096) == Op.NAK
 
 
 async def test_after_an_attack_the_victim_still_pushes(local: LocalDaemons,
                                                        rogue: Rogue) -> None:
     lease = await rogue.lease("mine", 4096)
-    assert await rogue.write(lease["keys"][0], lease["offset"] + 8192, b"x" * 16) == OP_NAK
+    assert await rogue.write(lease["keys"][0], lease["offset"] + 8192, b"x" * 16) == Op.NAK
     await until(lambda: not any(s.name == "rogue" for s in local.receiver.sessions),
                 what="the rogue's session dropped")
     assert local.receiver.pool.used_bytes == 0  # its lease went with it

@@ -18,7 +18,7 @@ from kvwired.client import ReceiverClient, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
-from kvwired.transport.tcp import FLAG_IMM, FLAG_SIGNALED, HEADER, OP_ACK, OP_WRITE
+from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from .conftest import LocalDaemons, start_local, until
 
@@ -222,7 +222,7 @@ class TwoChannelRogue:
             self.data[channel][1].write(bytes(params["token"]))
         reader, writer = self.data[channel]
         flags = FLAG_SIGNALED | (FLAG_IMM if imm is not None else 0)
-        writer.write(HEADER.pack(OP_WRITE, flags, key, imm or 0, len(payload), offset, 7))
+        writer.write(encode_write(flags, key, imm or 0, len(payload), offset, 7))
         writer.write(payload)
         reply = await asyncio.wait_for(reader.readexactly(HEADER.size), 10)
         return int(HEADER.unpack(reply)[0])
@@ -253,23 +253,23 @@ async def test_a_layer_announced_on_one_channel_of_two_is_not_announced(
         assert len(keys) == 2 and keys[0] != keys[1]  # a key per channel
         imm = immediate.pack(lease["lease"], 1)
         # Both layers written and announced on channel 0 only.
-        assert await rogue.write(0, keys[0], offset, b"\x01" * 8192, imm) == OP_ACK
+        assert await rogue.write(0, keys[0], offset, b"\x01" * 8192, imm) == Op.ACK
         stale = local.receiver.metrics.stale_immediates._value.get()
         # Announced again on channel 0: stale (not after its last), dropped.
-        assert await rogue.write(0, keys[0], offset, b"", imm) == OP_ACK
+        assert await rogue.write(0, keys[0], offset, b"", imm) == Op.ACK
         await until(lambda: local.receiver.metrics.stale_immediates._value.get() > stale,
                     what="the repeated announcement counted as stale")
         (held,) = [x for x in local.receiver.leases.values() if x.req == "half"]
         assert held.landed == 0 and held.fence.reported == [2, 0]
         # Channel 1 announces layer 0: layer 0 lands, layer 1 still waits for it.
         assert await rogue.write(1, keys[1], offset, b"",
-                                 immediate.pack(lease["lease"], 0)) == OP_ACK
+                                 immediate.pack(lease["lease"], 0)) == Op.ACK
         await until(lambda: held.landed == 1, what="layer 0 landed")
         assert held.fence.reported == [2, 1]
         # A channel's key is its own: channel 1 writing under channel 0's key
         # is a remote access error, and the session (and its lease) ends.
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            assert await rogue.write(1, keys[0], offset, b"\x02" * 16) != OP_ACK
+            assert await rogue.write(1, keys[0], offset, b"\x02" * 16) != Op.ACK
         await until(lambda: "half" not in local.receiver.by_req,
                     what="the rogue's lease voided with its session")
         # Its decode engine saw layer 0 land, never layer 1, then the failure.

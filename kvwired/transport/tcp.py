@@ -1,9 +1,7 @@
 """One-sided write semantics over a TCP stream: the baseline and the fallback.
 
-Wire format (little-endian, 32-byte header, payload follows a WRITE):
-
-    op u8 | flags u8 | pad u16 | rkey u32 | imm u32 | length u32 | offset u64 | wr_id u64
-
+The frames (a 32-byte header, the payload after a WRITE) and their one
+decoder are in ``tcp_frames``, with no I/O; this module is the sockets.
 The responder checks every write against what its key grants (a lease's
 range on the receiver, the whole region on a sender answering an echo), as
 an RDMA NIC checks an rkey against a memory window, and lands the payload in
@@ -23,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -44,16 +41,21 @@ from .base import (
     Transport,
     Write,
 )
+from .tcp_frames import (
+    FLAG_IMM,
+    FLAG_SIGNALED,
+    HEADER,
+    TO_RESPONDER,
+    TOKEN_BYTES,
+    AnswerDecoder,
+    Op,
+    decode_header,
+    encode_answer,
+    encode_write,
+)
 
 log = structlog.get_logger("kvwired.transport.tcp")
 
-HEADER = struct.Struct("<BBxxIIIQQ")
-OP_WRITE = 1
-OP_ACK = 2
-OP_NAK = 3  # a write refused (remote access error); the connection ends
-FLAG_SIGNALED = 1
-FLAG_IMM = 2
-TOKEN_BYTES = 16
 # Payloads at least this large are received directly into the pool.
 DIRECT_THRESHOLD = 64 * 1024
 BOUNCE_BYTES = 1 << 20
@@ -186,9 +188,8 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         memory = self._owner.memory_view
         assert self._responder is not None
         while self._end - self._start >= HEADER.size:
-            op, flags, rkey, imm, length, offset, wr_id = HEADER.unpack_from(view, self._start)
-            if op != OP_WRITE:
-                raise TransportError(f"unexpected data-path opcode {op}")
+            _op, flags, rkey, imm, length, offset, wr_id = decode_header(
+                view, self._start, TO_RESPONDER)
             try:
                 self._responder.check_access(rkey, offset, length)
             except RemoteAccessError as exc:
@@ -239,7 +240,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         self._discarding = True
         self._bounce_view = memoryview(bytearray(64 * 1024))  # a sink
         if self._transport is not None:
-            self._transport.write(HEADER.pack(OP_NAK, 0, 0, 0, 0, 0, wr_id))
+            self._transport.write(encode_answer(Op.NAK, wr_id))
             self._transport.close()  # after the NAK is out
         if self._responder is not None:
             self._responder.on_error(error)
@@ -248,7 +249,7 @@ class _ResponderProtocol(asyncio.BufferedProtocol):
         assert self._responder is not None and self._transport is not None
         self._responder.writes_received += 1
         if flags & FLAG_SIGNALED:
-            self._transport.write(HEADER.pack(OP_ACK, 0, 0, 0, 0, 0, wr_id))
+            self._transport.write(encode_answer(Op.ACK, wr_id))
         if flags & FLAG_IMM:
             self._responder.on_immediate(imm)
 
@@ -361,26 +362,23 @@ class _InitiatorProtocol(asyncio.Protocol):
 
     def __init__(self, channel: TcpDataChannel) -> None:
         self._channel = channel
-        self._buffer = bytearray()
+        self._answers = AnswerDecoder()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         _tune(transport.get_extra_info("socket"))
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
-        usable = len(self._buffer) - len(self._buffer) % HEADER.size
-        for start in range(0, usable, HEADER.size):
-            op, *_, wr_id = HEADER.unpack_from(self._buffer, start)
-            if op == OP_NAK:
-                self._channel.fail(RemoteAccessError(
-                    "remote access error: the receiver refused a write outside every range "
-                    "it granted this sender"))
-                return
-            if op != OP_ACK:
-                self._channel.fail(TransportError(f"unexpected data-path opcode {op}"))
-                return
-            self._channel.completed(wr_id)
-        del self._buffer[:usable]
+        self._answers.feed(data)
+        try:
+            while (answer := self._answers.next_answer()) is not None:
+                if answer.op == Op.NAK:
+                    self._channel.fail(RemoteAccessError(
+                        "remote access error: the receiver refused a write outside every "
+                        "range it granted this sender"))
+                    return
+                self._channel.completed(answer.wr_id)
+        except TransportError as exc:
+            self._channel.fail(exc)
 
     def pause_writing(self) -> None:
         self._channel.writable.clear()
@@ -466,7 +464,6 @@ class TcpDataChannel(DataChannel):
     ) -> list[bytes | memoryview]:
         key = self._remote.key if key is None else key
         memory = self._memory
-        pack = HEADER.pack
         frames: list[bytes | memoryview] = []
         last = len(writes) - 1
         wr_id = self._next_wr_id
@@ -477,10 +474,9 @@ class TcpDataChannel(DataChannel):
             if i == last:
                 flags = FLAG_SIGNALED | (FLAG_IMM if imm is not None else 0)
                 frames.append(
-                    pack(OP_WRITE, flags, key, imm or 0, w.length, w.remote_offset, wr_id)
-                )
+                    encode_write(flags, key, imm or 0, w.length, w.remote_offset, wr_id))
             else:
-                frames.append(pack(OP_WRITE, 0, key, 0, w.length, w.remote_offset, 0))
+                frames.append(encode_write(0, key, 0, w.length, w.remote_offset, 0))
             frames.append(memory[w.local_offset : w.local_offset + w.length])
         return frames
 
