@@ -22,20 +22,14 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
-from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
+from .errors import DaemonUnavailable, KvwireError, ProtocolError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
 from .pool import map_shared_fd, map_slot, retire_mapping
-from .protocol import (
-    MAX_SECONDS,
-    RECEIVER_LOCAL,
-    REQ,
-    SENDER_LOCAL,
-    SHAPE,
-    Message,
-    Schema,
-    message,
-)
+from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Channel, Error, Failed, Message
+from .protocol import receiver_local as decode_api
+from .protocol import sender_local as prefill_api
+from .protocol.fields import REQ, SHAPE
 from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
@@ -104,22 +98,27 @@ def _check_request(req: str, shape: RequestShape) -> None:
 class _Connection:
     """A local daemon connection: frames out, a reader task routing frames in."""
 
-    def __init__(self, path: str, role: str, schema: Schema,
+    def __init__(self, path: str, role: str, channel: Channel,
                  route: Callable[[Message], None],
                  fail_all: Callable[[KvwireError], None]) -> None:
-        self.path, self.role, self.schema = path, role, schema
+        self.path, self.role, self.channel = path, role, channel
         self._route, self._fail_all = route, fail_all
         self.map: mmap.mmap | None = None  # the whole pool (decode engines, read-only)
         self.fd: int | None = None  # the pool's fd (prefill engines map per push)
-        self.welcome: Message = {}
+        self.welcome: prefill_api.Welcome | decode_api.Welcome | None = None
         self._stream: MessageStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self.broken: KvwireError | None = None
 
     async def open(self, map_pool: bool) -> None:
-        stream, welcome, fd = await connect_local(self.path, self.role, self.schema)
+        stream, welcome, fd = await connect_local(self.path, self.role, self.channel)
+        if not isinstance(welcome, prefill_api.Welcome | decode_api.Welcome):
+            os.close(fd)
+            stream.close()
+            raise ProtocolError(f"the daemon at {self.path} answered hello with "
+                                f"{welcome.kind!r}")
         if map_pool:
-            self.map = map_shared_fd(fd, int(welcome["pool_size"]), writable=False)
+            self.map = map_shared_fd(fd, welcome.pool_size, writable=False)
         else:
             self.fd = fd
         self.welcome, self._stream = welcome, stream
@@ -129,8 +128,8 @@ class _Connection:
         error: KvwireError
         try:
             while (msg := await stream.receive()) is not None:
-                if msg["t"] == "error":
-                    error = from_wire(msg["error"])
+                if isinstance(msg, Error):
+                    error = from_wire(msg.error)
                     break
                 self._route(msg)
             else:
@@ -204,7 +203,7 @@ class OutgoingPush:
         if n != self._committed:
             raise UsageError(f"layer {n} committed out of order",
                              hint=f"commit layers in order; layer {self._committed} is next")
-        self.client.conn.send(message("commit", req=self.req, layer=n))
+        self.client.conn.send(prefill_api.Commit(req=self.req, layer=n))
         self._committed += 1
 
     async def wait_sent(self, n: int) -> None:
@@ -243,13 +242,13 @@ class OutgoingPush:
             self._aborted = True
             # A broken connection fails the push with its own error.
             with contextlib.suppress(KvwireError):
-                self.client.conn.send(message("abort", req=self.req))
+                self.client.conn.send(prefill_api.Abort(req=self.req))
 
-    def _finished(self, msg: Message) -> None:
+    def _finished(self, msg: prefill_api.Finished) -> None:
         if not self._result.done():
             self._result.set_result(PushResult(
-                self.req, self.shape.total_bytes, msg["checksum"],
-                time.perf_counter() - self._started, dict(msg["timings"])))
+                self.req, self.shape.total_bytes, msg.checksum,
+                time.perf_counter() - self._started, dict(msg.timings)))
         self._sent(self.shape.layers - 1)
         self._retire()
 
@@ -280,7 +279,7 @@ class OutgoingPush:
         self.buffer.release()
         retire_mapping(self._mapping)
         if tell_daemon and self.client.conn.broken is None:
-            self.client.conn.send(message("dropped", req=self.req))
+            self.client.conn.send(prefill_api.Dropped(req=self.req))
 
 
 @dataclass
@@ -301,11 +300,11 @@ class _Run:
     result: asyncio.Future[dict[str, Any]]
 
     def route(self, msg: Message) -> None:
-        if msg["t"] == "result":
+        if isinstance(msg, prefill_api.Result):
             if not self.result.done():
-                self.result.set_result(dict(msg["result"]))
-        elif msg["t"] == "failed":
-            self.fail(from_wire(msg["error"]))
+                self.result.set_result(dict(msg.result))
+        elif isinstance(msg, Failed):
+            self.fail(from_wire(msg.error))
         else:
             self.on_message(msg)
 
@@ -364,23 +363,22 @@ class SenderClient(_LocalClient):
         if req in self._opening or req in self._pushes:
             raise UsageError(f"request {req} is already open on this client")
         _check_request(req, request_shape)
-        fields: dict[str, Any] = {"req": req, "peer": peer or self.only_peer(),
-                                  "shape": request_shape.to_wire()}
-        if chunk is not None:
-            fields["chunk_bytes"] = resolve_chunk_bytes(chunk, layout or request_shape)
-        if deadline is not None:
-            if not (isinstance(deadline, int | float) and math.isfinite(deadline)
-                    and 0 < deadline <= MAX_SECONDS):
-                raise UsageError(f"deadline {deadline!r} is not a number of seconds",
-                                 hint=f"pass seconds in (0, {MAX_SECONDS:g}], or no deadline")
-            fields["deadline"] = float(deadline)
-        if discard:
-            fields["discard"] = 1
+        if deadline is not None and not (isinstance(deadline, int | float)
+                                         and math.isfinite(deadline)
+                                         and 0 < deadline <= MAX_SECONDS):
+            raise UsageError(f"deadline {deadline!r} is not a number of seconds",
+                             hint=f"pass seconds in (0, {MAX_SECONDS:g}], or no deadline")
+        opening_msg = prefill_api.Open(
+            req=req, peer=peer or self.only_peer(), shape=request_shape.to_wire(),
+            chunk_bytes=None if chunk is None else resolve_chunk_bytes(
+                chunk, layout or request_shape),
+            deadline=None if deadline is None else float(deadline),
+            discard=1 if discard else None)
         opening = _Opening(asyncio.get_running_loop().create_future(), request_shape,
-                           time.perf_counter(), fields.get("deadline"))
+                           time.perf_counter(), opening_msg.deadline)
         self._opening[req] = opening
         try:
-            self.conn.send(message("open", **fields))
+            self.conn.send(opening_msg)
             return await opening.future
         except asyncio.CancelledError:
             # The caller stopped waiting: a push opened meanwhile goes back.
@@ -404,7 +402,10 @@ class SenderClient(_LocalClient):
     @property
     def peers(self) -> list[str]:
         """The receivers the daemon is configured for."""
-        return list(self.conn.welcome.get("peers") or [])
+        welcome = self.conn.welcome
+        if not isinstance(welcome, prefill_api.Welcome):
+            return []
+        return list(welcome.peers or [])
 
     def only_peer(self) -> str:
         """The one configured receiver; an error naming them when there are several."""
@@ -422,46 +423,44 @@ class SenderClient(_LocalClient):
         run = _Run(on_message, asyncio.get_running_loop().create_future())
         self._runs[req] = run
         try:
-            self.conn.send(message("run", req=req, experiment=experiment, params=params))
+            self.conn.send(prefill_api.Run(req=req, experiment=experiment, params=params))
             return await run.result
         finally:
             self._runs.pop(req, None)
 
     def _route(self, msg: Message) -> None:
-        req = msg.get("req", "")
-        run = self._runs.get(req)
+        run = self._runs.get(getattr(msg, "req", ""))
         if run is not None:
             run.route(msg)
             return
-        if msg["t"] == "sent":
-            push = self._pushes.get(req)
-            if push is not None:
-                push._sent(msg["layer"])
+        match msg:
+            case prefill_api.Sent(req=req, layer=layer):
+                if (push := self._pushes.get(req)) is not None:
+                    push._sent(layer)
+            case prefill_api.Opened():
+                self._opened(msg)
+            case Failed(req=req, error=wire_error):
+                error = from_wire(wire_error)
+                opening = self._opening.get(req)
+                if opening is not None and not opening.future.done():
+                    opening.future.set_exception(error)
+                if (push := self._pushes.pop(req, None)) is not None:
+                    push._failed(error)
+            case prefill_api.Finished(req=req):
+                if (push := self._pushes.pop(req, None)) is not None:
+                    push._finished(msg)
+
+    def _opened(self, msg: prefill_api.Opened) -> None:
+        # The push exists from this message on, so a ``failed`` right behind
+        # it (in the same read) finds it.
+        opening = self._opening.get(msg.req)
+        if opening is None or opening.future.done():
+            self.conn.send(prefill_api.Abort(req=msg.req))  # nobody waits for it
             return
-        if msg["t"] == "opened":
-            # The push exists from this message on, so a ``failed`` right
-            # behind it (in the same read) finds it.
-            opening = self._opening.get(req)
-            if opening is None or opening.future.done():
-                self.conn.send(message("abort", req=req))  # nobody waits for it
-                return
-            push = OutgoingPush(self, req, opening.shape, msg["offset"], msg["chunk_bytes"],
-                                opening.started, msg["peer"], msg["lease"], opening.deadline)
-            self._pushes[req] = push
-            opening.future.set_result(push)
-            return
-        if msg["t"] == "failed":
-            error = from_wire(msg["error"])
-            opening = self._opening.get(req)
-            if opening is not None and not opening.future.done():
-                opening.future.set_exception(error)
-            push = self._pushes.pop(req, None)
-            if push is not None:
-                push._failed(error)
-        elif msg["t"] == "finished":
-            push = self._pushes.pop(req, None)
-            if push is not None:
-                push._finished(msg)
+        push = OutgoingPush(self, msg.req, opening.shape, msg.offset, msg.chunk_bytes,
+                            opening.started, msg.peer, msg.lease, opening.deadline)
+        self._pushes[msg.req] = push
+        opening.future.set_result(push)
 
     async def close(self) -> None:
         # Views of pushes still open lose their staging too: the daemon frees
@@ -505,13 +504,13 @@ class SenderClient(_LocalClient):
                 answered.set()
 
         def route(msg: Message) -> None:
-            push = waiting.pop(msg.get("req", ""), None)
+            push = waiting.pop(getattr(msg, "req", ""), None)
             if push is None:
                 return
-            if msg["t"] == "finished":
+            if isinstance(msg, prefill_api.Finished):
                 push._finished(msg)
-            elif msg["t"] == "failed":
-                push._failed(from_wire(msg["error"]))
+            elif isinstance(msg, Failed):
+                push._failed(from_wire(msg.error))
             if not waiting:
                 answered.set()
 
@@ -530,7 +529,7 @@ class SenderClient(_LocalClient):
                 continue
             try:
                 for push in waiting.values():
-                    conn.send(message("ask", req=push.req, peer=push.peer, lease=push.lease))
+                    conn.send(prefill_api.Ask(req=push.req, peer=push.peer, lease=push.lease))
                 await answered.wait()
             except KvwireError:
                 pass  # it went away again: the loop reconnects
@@ -560,7 +559,7 @@ class ReceiverClient(_LocalClient):
         """Ask for the events of ``req`` (it need not be opened yet)."""
         if req not in self._events:
             self._events[req] = asyncio.Queue()
-            self.conn.send(message("subscribe", req=req))
+            self.conn.send(decode_api.Subscribe(req=req))
 
     async def events(self, req: str) -> AsyncIterator[LayerLanded | Delivered]:
         """Layer events of ``req`` in order, then its ``Delivered``; raises if it fails."""
@@ -596,18 +595,19 @@ class ReceiverClient(_LocalClient):
 
     async def release(self, req: str) -> None:
         """Give the slot back; the data in it may be overwritten from now on."""
-        await self._let_go("release", req)
+        await self._let_go(decode_api.Release(req=req))
 
     async def unsubscribe(self, req: str) -> None:
         """Stop holding ``req`` without releasing it: the receiver keeps it for
         another decode engine (reclaimed if none subscribes within its
         ``unclaimed_ttl``). Leaving without either frees it at once."""
-        await self._let_go("unsubscribe", req)
+        await self._let_go(decode_api.Unsubscribe(req=req))
 
-    async def _let_go(self, kind: str, req: str) -> None:
+    async def _let_go(self, msg: decode_api.Release | decode_api.Unsubscribe) -> None:
+        req = msg.req
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._released[req] = future
-        self.conn.send(message(kind, req=req))
+        self.conn.send(msg)
         try:
             await future
         finally:
@@ -615,27 +615,24 @@ class ReceiverClient(_LocalClient):
             self._events.pop(req, None)
 
     def _route(self, msg: Message) -> None:
-        req = msg["req"]
-        kind = msg["t"]
-        if kind in ("released", "unsubscribed"):
-            future = self._released.get(req)
-            if future is not None and not future.done():
-                future.set_result(None)
-            return
-        if kind == "failed" and req in self._released:
-            self._released[req].set_exception(from_wire(msg["error"]))
-            return
-        queue = self._events.get(req)
-        if queue is None:
-            return
-        if kind == "layer":
-            queue.put_nowait(LayerLanded(req, msg["layer"], msg.get("offset"),
-                                         msg.get("length")))
-        elif kind == "complete":
-            queue.put_nowait(Delivered(req, msg["offset"], msg["length"], msg["layers"],
-                                       msg["checksum"]))
-        elif kind == "failed":
-            queue.put_nowait(from_wire(msg["error"]))
+        match msg:
+            case decode_api.Released(req=req) | decode_api.Unsubscribed(req=req):
+                future = self._released.get(req)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            case Failed(req=req, error=error) if req in self._released:
+                self._released[req].set_exception(from_wire(error))
+            case decode_api.Layer(req=req, layer=layer, offset=offset, length=length):
+                self._event(req, LayerLanded(req, layer, offset, length))
+            case decode_api.Complete(req=req, offset=offset, length=length, layers=layers,
+                                     checksum=checksum):
+                self._event(req, Delivered(req, offset, length, layers, checksum))
+            case Failed(req=req, error=error):
+                self._event(req, from_wire(error))
+
+    def _event(self, req: str, event: LayerLanded | Delivered | KvwireError) -> None:
+        if (queue := self._events.get(req)) is not None:
+            queue.put_nowait(event)
 
     def _fail_all(self, error: KvwireError) -> None:
         for queue in self._events.values():

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Callable
 import structlog
 
 from .errors import AuthenticationFailed, KvwireError, PeerLost
-from .protocol import CONTROL, Message, error_message, message
+from .protocol import CONTROL, Message, error_message
+from .protocol.control import Ping, Pong
 from .stream import MessageStream
 from .tasks import spawn
 from .trust import peer_name
@@ -66,10 +67,10 @@ class ControlConnection:
                 raise PeerLost(f"connection to {self.label} broke: {exc}") from exc
             if msg is None:
                 raise PeerLost(f"{self.label} closed the control connection")
-            if msg["t"] == "ping":
-                self.send(message("pong"))
+            if isinstance(msg, Ping):
+                self.send(Pong())
                 continue
-            if msg["t"] == "pong":
+            if isinstance(msg, Pong):
                 continue
             return msg
 
@@ -107,14 +108,14 @@ class ControlConnection:
         while True:
             yield await self.recv()
 
-    def serve(self, dispatch: Callable[[Message], None],
+    def serve(self, dispatch: Callable[[Message], object],
               ended: Callable[[ControlConnection, KvwireError], None], name: str) -> None:
         """Read messages into ``dispatch`` in the background until the connection
         ends; then ``ended`` hears why. A ``KvwireError`` raised by ``dispatch``
         (a message the protocol forbids) ends it too, after an error frame."""
         spawn(self.run(dispatch, ended), name)
 
-    async def run(self, dispatch: Callable[[Message], None],
+    async def run(self, dispatch: Callable[[Message], object],
                   ended: Callable[[ControlConnection, KvwireError], None]) -> None:
         try:
             async for msg in self.messages():
@@ -131,7 +132,7 @@ class ControlConnection:
     async def _ping_forever(self) -> None:
         while not self.closed:
             await asyncio.sleep(self.heartbeat)
-            self.send(message("ping"))
+            self.send(Ping())
 
     def fail(self, error: KvwireError) -> None:
         """Tell the peer why (best effort), then close."""

@@ -24,7 +24,7 @@ from .discovery.presence import Presence
 from .errors import KvwireError
 from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix
 from .metrics import LiveSample, Metrics
-from .protocol import Message, Schema
+from .protocol import Channel, Message
 from .systemd import Notifier
 from .tasks import spawn
 from .trust import Trust
@@ -126,12 +126,12 @@ class Daemon(ABC):
         self._servers.append(self._local_server)
 
     async def serve_engine(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           schema: Schema, welcome: Message, fd: int,
-                           dispatch: Callable[[Message], None], who: str) -> None:
+                           channel: Channel, welcome: Message, fd: int,
+                           dispatch: Callable[[Message], object], who: str) -> None:
         """One local engine's session: counted, served, and told why if cut off."""
         self.metrics.clients.inc()
         try:
-            await local_session(reader, writer, schema, welcome, fd, dispatch)
+            await local_session(reader, writer, channel, welcome, fd, dispatch)
         except KvwireError as exc:
             self.metrics.protocol_errors.labels(f"{self.role}_local").inc()
             log.warning(f"{who} connection rejected", error=str(exc))

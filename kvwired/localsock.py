@@ -19,7 +19,19 @@ from pathlib import Path
 import structlog
 
 from .errors import DaemonUnavailable, InvalidRequest, KvwireError, ProtocolError, from_wire
-from .protocol import MAX_FRAME, FrameDecoder, Message, Schema, encode, error_message, message
+from .protocol import (
+    MAX_FRAME,
+    Channel,
+    Error,
+    Failed,
+    FrameDecoder,
+    LocalHello,
+    Message,
+    encode,
+    error_message,
+)
+from .protocol import receiver_local as decode_api
+from .protocol import sender_local as prefill_api
 from .stream import MessageStream
 
 log = structlog.get_logger("kvwired.local")
@@ -47,10 +59,10 @@ BACKLOG = 1024  # engines connecting at once (the kernel caps it at somaxconn)
 async def local_session(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
-    schema: Schema,
+    channel: Channel,
     welcome: Message,
     fd: int,
-    dispatch: Callable[[Message], None],
+    dispatch: Callable[[Message], object],
 ) -> None:
     """A daemon's side of one engine connection.
 
@@ -59,15 +71,15 @@ async def local_session(
     protocol violation; returns quietly when the engine closes, including
     one that connected and left without a word (a readiness probe).
     """
-    stream = MessageStream(reader, writer, schema)
+    stream = MessageStream(reader, writer, channel)
     try:
         hello = await asyncio.wait_for(stream.receive(), HELLO_TIMEOUT)
     except TimeoutError:
         raise ProtocolError(f"no hello within {HELLO_TIMEOUT:g} s") from None
     if hello is None:
         return
-    if hello["t"] != "hello":
-        raise ProtocolError(f"expected hello, got {hello['t']!r}")
+    if not isinstance(hello, LocalHello):
+        raise ProtocolError(f"expected hello, got {hello.kind!r}")
     send_with_fd(writer, welcome, fd)
     while True:
         try:
@@ -75,7 +87,7 @@ async def local_session(
         except InvalidRequest as exc:
             # That request fails; the engine's connection and its other work go on.
             log.info("request refused: invalid fields", req=exc.req, reason=exc.message)
-            stream.send(message("failed", req=exc.req, error=exc.to_wire()))
+            stream.send(Failed(req=exc.req, error=exc.to_wire()))
             continue
         if msg is None:
             return
@@ -148,14 +160,14 @@ def _connect_through_a_burst(sock: socket.socket, path: str) -> None:
 
 
 def _handshake(path: str, role: str,
-               schema: Schema) -> tuple[socket.socket, Message, int, FrameDecoder]:
+               channel: Channel) -> tuple[socket.socket, Message, int, FrameDecoder]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
         sock.settimeout(10)
         _connect_through_a_burst(sock, path)
-        sock.sendall(encode(message("hello", role=role)))
-        decoder = FrameDecoder(schema)
+        sock.sendall(encode(LocalHello(role=role)))
+        decoder = FrameDecoder(channel)
         # The welcome's first bytes carry the pool fd; whatever follows it in
         # the stream stays in the decoder, which the async side takes over.
         data, fds, _, _ = socket.recv_fds(sock, MAX_FRAME + 4, 1)
@@ -167,10 +179,10 @@ def _handshake(path: str, role: str,
             if (msg := decoder.next_message()) is not None:
                 break
             data = sock.recv(MAX_FRAME + 4)
-        if msg["t"] == "error":
-            raise from_wire(msg["error"])
-        if msg["t"] != "welcome" or len(fds) != 1:
-            raise ProtocolError(f"expected a welcome with the pool fd, got {msg['t']!r}")
+        if isinstance(msg, Error):
+            raise from_wire(msg.error)
+        if not isinstance(msg, prefill_api.Welcome | decode_api.Welcome) or len(fds) != 1:
+            raise ProtocolError(f"expected a welcome with the pool fd, got {msg.kind!r}")
         sock.settimeout(None)
         sock.setblocking(False)
         return sock, msg, fds[0], decoder
@@ -189,16 +201,17 @@ def _handshake(path: str, role: str,
         raise
 
 
-async def connect_local(path: str, role: str, schema: Schema) -> tuple[MessageStream, Message, int]:
+async def connect_local(path: str, role: str,
+                        channel: Channel) -> tuple[MessageStream, Message, int]:
     """Connect to a daemon's unix socket: (message stream, welcome, pool fd)."""
-    sock, welcome, fd, decoder = await asyncio.to_thread(_handshake, path, role, schema)
+    sock, welcome, fd, decoder = await asyncio.to_thread(_handshake, path, role, channel)
     try:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
     except BaseException:
         os.close(fd)
         sock.close()
         raise
-    return MessageStream(reader, writer, schema, decoder), welcome, fd
+    return MessageStream(reader, writer, channel, decoder), welcome, fd
 
 
 def close_quietly(writer: asyncio.StreamWriter) -> None:

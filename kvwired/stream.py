@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from .protocol import FrameDecoder, Message, Schema, encode
+from .protocol import Channel, FrameDecoder, Message, RawMessage, encode
 
 READ_BYTES = 64 * 1024
 
@@ -19,15 +19,15 @@ class MessageStream:
     """One side of a framed connection: ``receive`` what comes, ``send`` frames."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 schema: Schema, decoder: FrameDecoder | None = None) -> None:
+                 channel: Channel, decoder: FrameDecoder | None = None) -> None:
         self.reader = reader
         self.writer = writer
         # A decoder may arrive holding bytes already read (the client's
         # blocking handshake hands its decoder over).
-        self.decoder = decoder or FrameDecoder(schema)
+        self.decoder = decoder or FrameDecoder(channel)
 
     async def receive(self) -> Message | None:
-        """The next validated message, or None at a clean end of stream."""
+        """The next validated, typed message, or None at a clean end of stream."""
         while (msg := self.decoder.next_message()) is None:
             data = await self.reader.read(READ_BYTES)
             if not data:
@@ -40,7 +40,7 @@ class MessageStream:
         """The next message if its bytes are already read, without waiting."""
         return self.decoder.next_message()
 
-    def send(self, msg: Message) -> None:
+    def send(self, msg: Message | RawMessage) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode(msg))
 

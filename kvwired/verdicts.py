@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from .errors import KvwireError, RequestAborted, from_wire
-from .protocol import Message, message
+from .protocol import control as ctl
 
 VERDICT_TTL = 600.0  # seconds a verdict is kept: far past any reconnect and deadline
 MAX_VERDICTS = 65536  # at most this many are kept; the oldest go first
@@ -42,28 +42,25 @@ def outcome(verdict: Verdict | None) -> str:
     return "delivered" if verdict.delivered else "aborted"
 
 
-def to_message(req: str, lease: int, verdict: Verdict | None) -> Message:
+def to_message(req: str, lease: int, verdict: Verdict | None) -> ctl.Verdict:
     """The receiver's answer to ``ask``."""
     if verdict is None:
-        return message("verdict", req=req, lease=lease, outcome="unknown")
+        return ctl.Verdict(req=req, lease=lease, outcome="unknown")
     if verdict.delivered:
-        return message("verdict", req=req, lease=lease, outcome="delivered",
-                       checksum=verdict.checksum)
+        return ctl.Verdict(req=req, lease=lease, outcome="delivered",
+                           checksum=verdict.checksum)
     assert verdict.error is not None, "an aborted verdict keeps its reason"
-    return message("verdict", req=req, lease=lease, outcome="aborted",
-                   error=verdict.error.to_wire())
+    return ctl.Verdict(req=req, lease=lease, outcome="aborted", error=verdict.error.to_wire())
 
 
-def from_message(msg: Message) -> Verdict | None:
-    """A ``verdict`` message (validated by the schema) as a Verdict; None for
-    ``unknown``."""
-    if msg["outcome"] == "unknown":
+def from_message(msg: ctl.Verdict) -> Verdict | None:
+    """A ``verdict`` message as a Verdict; None for ``unknown``."""
+    if msg.outcome == "unknown":
         return None
-    if msg["outcome"] == "delivered":
-        return Verdict(msg["lease"], True, checksum=msg.get("checksum") or 0)
-    error = msg.get("error")
-    return Verdict(msg["lease"], False, error=from_wire(error) if error is not None
-                   else RequestAborted(f"request {msg['req']} was aborted"))
+    if msg.outcome == "delivered":
+        return Verdict(msg.lease, True, checksum=msg.checksum or 0)
+    return Verdict(msg.lease, False, error=from_wire(msg.error) if msg.error is not None
+                   else RequestAborted(f"request {msg.req} was aborted"))
 
 
 K = TypeVar("K", bound=Hashable)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvwired.client import Delivered, OutgoingPush, PushResult, ReceiverClient, SenderClient
 from kvwired.errors import InvalidRequest, KvwireError, UsageError
 from kvwired.layout import RequestShape
-from kvwired.protocol import Message, message
+from kvwired.protocol import Failed, Message, message
 
 from .conftest import LocalDaemons, start_local, until
 
@@ -150,14 +150,14 @@ async def test_a_bad_open_past_the_client_fails_that_open_only(local: LocalDaemo
         route = engine._route
 
         def watch(msg: Message) -> None:
-            if msg.get("req") == "bad" and not failed.done():
+            if getattr(msg, "req", None) == "bad" and not failed.done():
                 failed.set_result(msg)
             route(msg)
         engine.conn._route = watch
-        engine.conn.send(bad)
+        engine.conn._stream.send(bad)  # type: ignore[union-attr]  # past the client's checks
         answer = await asyncio.wait_for(failed, 30)
-        assert answer["t"] == "failed"
-        assert answer["error"]["code"] == InvalidRequest.code
+        assert isinstance(answer, Failed)
+        assert answer.error["code"] == InvalidRequest.code
         push = await asyncio.wait_for(opening, 30)
         push.layer(0)[:] = b"z" * 1024
         push.commit(0)

@@ -17,7 +17,8 @@ from kvwired import localsock
 from kvwired.client import SenderClient
 from kvwired.errors import DaemonUnavailable, DeadlineExceeded, UsageError
 from kvwired.layout import RequestShape
-from kvwired.protocol import SENDER_LOCAL, Message, message
+from kvwired.protocol import SENDER_LOCAL, Failed, Message
+from kvwired.protocol import sender_local as prefill_api
 
 from .conftest import LocalDaemons
 
@@ -42,9 +43,9 @@ async def test_a_failure_right_behind_opened_reaches_finish() -> None:
     client, _ = _client()
     opening = await _opening(client, deadline=0.001)
     # Both arrive in one read, before open() resumes.
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
-                          lease=1))
-    client._route(message("failed", req="r", error=DeadlineExceeded("late").to_wire()))
+    client._route(prefill_api.Opened(req="r", peer="decode", offset=0, chunk_bytes=4096,
+                                    lease=1))
+    client._route(Failed(req="r", error=DeadlineExceeded("late").to_wire()))
     push = await opening
     with pytest.raises(DeadlineExceeded):
         await asyncio.wait_for(push.finish(), 1)
@@ -61,31 +62,31 @@ async def test_opened_after_the_caller_gave_up_is_aborted() -> None:
     opening.cancel()
     with pytest.raises(asyncio.CancelledError):
         await opening
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
-                          lease=1))
-    assert sent[-1] == message("abort", req="r")
+    client._route(prefill_api.Opened(req="r", peer="decode", offset=0, chunk_bytes=4096,
+                                    lease=1))
+    assert sent[-1] == prefill_api.Abort(req="r")
     assert not client._pushes
 
 
 async def test_opened_in_the_turn_the_caller_gives_up_is_aborted() -> None:
     client, sent = _client()
     opening = await _opening(client)
-    client._route(message("opened", req="r", peer="decode", offset=0, chunk_bytes=4096,
-                          lease=1))
+    client._route(prefill_api.Opened(req="r", peer="decode", offset=0, chunk_bytes=4096,
+                                    lease=1))
     opening.cancel()  # the answer is there, but the caller never sees it
     with pytest.raises(asyncio.CancelledError):
         await opening
-    assert sent[-1] == message("abort", req="r")
+    assert sent[-1] == prefill_api.Abort(req="r")
 
 
 async def test_failed_before_opened_fails_open() -> None:
     client, _ = _client()
     opening = await _opening(client)
-    client._route(message("failed", req="r", error=DeadlineExceeded("late").to_wire()))
+    client._route(Failed(req="r", error=DeadlineExceeded("late").to_wire()))
     with pytest.raises(DeadlineExceeded):
         await opening
     # A stray "finished" for it afterwards changes nothing.
-    client._route(message("finished", req="r", checksum=1, timings={}))
+    client._route(prefill_api.Finished(req="r", checksum=1, timings={}))
     assert not client._pushes
 
 
@@ -103,7 +104,7 @@ async def test_a_burst_of_engines_connecting_at_once_all_get_in(local: LocalDaem
                                                            SENDER_LOCAL)
         os.close(fd)
         sock.close()
-        return str(welcome["t"])
+        return welcome.kind
 
     def burst() -> set[str]:
         with ThreadPoolExecutor(max_workers=300) as pool:

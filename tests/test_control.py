@@ -32,7 +32,7 @@ async def main(port):
     print(json.dumps({"waiting": True}), flush=True)
     try:
         got = await connection.recv()
-        print(json.dumps({"got": got["t"]}), flush=True)
+        print(json.dumps({"got": got.kind}), flush=True)
     except KvwireError as exc:
         print(json.dumps({"lost": str(exc)}), flush=True)
 

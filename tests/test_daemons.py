@@ -28,7 +28,7 @@ from kvwired.errors import (
     UsageError,
 )
 from kvwired.layout import RequestShape
-from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.protocol import CONTROL, Error, FrameDecoder, Message, encode, message
 
 from .conftest import LocalDaemons, start_local, until
 
@@ -51,9 +51,9 @@ async def _read_control(reader: asyncio.StreamReader, decoder: FrameDecoder) -> 
 async def _expect_error_then_close(reader: asyncio.StreamReader,
                                    decoder: FrameDecoder | None = None) -> dict[str, str]:
     msg = await _read_control(reader, decoder or FrameDecoder(CONTROL))
-    assert msg["t"] == "error"
+    assert isinstance(msg, Error)
     assert await asyncio.wait_for(reader.read(), 5) == b""  # and the daemon hung up
-    return dict(msg["error"])
+    return dict(msg.error)
 
 
 async def _push_ok(local: LocalDaemons, req: str, size: int = 1 << 20) -> None:
@@ -93,9 +93,9 @@ async def test_bad_frame_mid_session_closes_only_that_session(local: LocalDaemon
     writer.write(encode(message("hello", role="sender", name="rogue", transports=["tcp"])))
     decoder = FrameDecoder(CONTROL)
     welcome = await _read_control(reader, decoder)
-    assert welcome["t"] == "welcome"
+    assert welcome.kind == "welcome"
     writer.write(encode(message("connect", params={})))
-    assert (await _read_control(reader, decoder))["t"] == "ready"
+    assert (await _read_control(reader, decoder)).kind == "ready"
     writer.write(encode(message("open", req="r", shape="not a dict")))
     error = await _expect_error_then_close(reader, decoder)
     assert "expected dict" in error["message"]

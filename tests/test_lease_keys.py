@@ -15,7 +15,7 @@ import pytest
 from kvwired import checksum, immediate
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import RequestShape
-from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from .conftest import LocalDaemons, until
@@ -30,23 +30,24 @@ class Rogue:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     decoder: FrameDecoder
-    ready: Message
+    ready: RawMessage
     data: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-    async def next(self) -> Message:
+    async def next(self) -> RawMessage:
+        """The next frame's map, as the adversary sees it."""
         while (msg := self.decoder.next_message()) is None:
             data = await asyncio.wait_for(self.reader.read(65536), 10)
             assert data, "the receiver hung up"
             self.decoder.feed(data)
-        return msg
+        return msg.to_wire()
 
-    async def answer(self, kind: str) -> Message:
+    async def answer(self, kind: str) -> RawMessage:
         while (msg := await self.next())["t"] in ("credits", "ping", "pong"):
             pass
         assert msg["t"] == kind, msg
         return msg
 
-    async def lease(self, req: str, size: int) -> Message:
+    async def lease(self, req: str, size: int) -> RawMessage:
         self.writer.write(encode(message("open", req=req, shape={"layers": 1,
                                                                   "layer_bytes": size})))
         return await self.answer("lease")

@@ -19,7 +19,7 @@ from kvwired.client import SenderClient
 from kvwired.errors import KvwireError, UsageError
 from kvwired.experiments import socket_loop
 from kvwired.experiments.baseline import SOCKET_LOOP_MAX_BYTES, LoopParams
-from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.protocol import CONTROL, FrameDecoder, Message, RawMessage, encode, message
 
 from .conftest import LocalDaemons, until
 
@@ -72,7 +72,7 @@ async def test_the_daemons_run_the_loop_for_kvctl(roomy: LocalDaemons) -> None:
         assert row["bytes"] == 4 << 20 and len(row["seconds"]) == 2
         assert min(row["seconds"]) <= row["median_seconds"] <= max(row["seconds"])
         assert row["gbps"] > 0
-    assert [msg["t"] for msg in rows] == ["row", "row"]
+    assert [msg.kind for msg in rows] == ["row", "row"]
 
 
 async def test_chunk_sweep_puts_the_loop_beside_each_delivery(roomy: LocalDaemons) -> None:
@@ -91,20 +91,20 @@ async def test_chunk_sweep_puts_the_loop_beside_each_delivery(roomy: LocalDaemon
     assert "plain socket loop" in chunk_sweep.render(run)
 
 
-async def _ask_baseline(local: LocalDaemons, **fields: Any) -> Message:
+async def _ask_baseline(local: LocalDaemons, **fields: Any) -> RawMessage:
     reader, writer = await local.control("rogue")
     try:
         writer.write(encode(message("hello", role="sender", name="rogue", transports=["tcp"])))
         decoder = FrameDecoder(CONTROL)
 
-        async def answer(kinds: tuple[str, ...]) -> Message:
+        async def answer(kinds: tuple[str, ...]) -> RawMessage:
             while True:
                 while (msg := decoder.next_message()) is None:
                     data = await asyncio.wait_for(reader.read(65536), 10)
                     assert data, "the receiver hung up"
                     decoder.feed(data)
-                if msg["t"] in kinds:
-                    return msg
+                if msg.kind in kinds:
+                    return msg.to_wire()
 
         await answer(("welcome",))
         writer.write(encode(message("connect", params={})))

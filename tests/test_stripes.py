@@ -17,7 +17,7 @@ from kvwired import checksum, immediate, stripes
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
-from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from .conftest import LocalDaemons, start_local, until
@@ -193,18 +193,19 @@ class TwoChannelRogue:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.decoder = FrameDecoder(CONTROL)
-        self.channels: list[Message] = []
+        self.channels: list[RawMessage] = []
         self.data: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
 
-    async def answer(self, kind: str) -> Message:
+    async def answer(self, kind: str) -> RawMessage:
+        """The next frame's map that is not credits or a ping, as the adversary sees it."""
         while True:
             while (msg := self.decoder.next_message()) is None:
                 chunk = await asyncio.wait_for(self.reader.read(65536), 10)
                 assert chunk, "the receiver hung up"
                 self.decoder.feed(chunk)
-            if msg["t"] not in ("credits", "ping", "pong"):
-                assert msg["t"] == kind, msg
-                return msg
+            if msg.kind not in ("credits", "ping", "pong"):
+                assert msg.kind == kind, msg
+                return msg.to_wire()
 
     async def connect(self, channels: int) -> None:
         self.writer.write(encode(message("hello", role="sender", name="rogue",

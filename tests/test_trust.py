@@ -22,7 +22,7 @@ from kvwired.cli import build_daemon
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.config import SenderConfig, build
 from kvwired.errors import AccessDenied, AuthenticationFailed, ConfigError, PeerLost, PoolFull
-from kvwired.protocol import CONTROL, FrameDecoder, Message, encode, message
+from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.receiver import MAX_PEER_LABELS
 from kvwired.trust import Trust
 
@@ -51,17 +51,17 @@ async def _closed_without_a_word(reader: asyncio.StreamReader) -> bool:
     return b"lease" not in data and b"ready" not in data
 
 
-async def _answer(reader: asyncio.StreamReader) -> Message:
+async def _answer(reader: asyncio.StreamReader) -> RawMessage:
     decoder = FrameDecoder(CONTROL)
     while (msg := decoder.next_message()) is None:
         data = await asyncio.wait_for(reader.read(65536), 10)
         assert data, "closed without an answer"
         decoder.feed(data)
-    return msg
+    return msg.to_wire()  # as the adversary sees it: the frame's map
 
 
 async def _hello_as(local: LocalDaemons, credentials: Trust, name: str,
-                    role: str = "sender") -> Message:
+                    role: str = "sender") -> RawMessage:
     reader, writer = await asyncio.open_connection(
         "127.0.0.1", local.receiver.control_port, ssl=credentials.client)
     writer.write(encode(message("hello", role=role, name=name, transports=["tcp"])))
@@ -318,7 +318,7 @@ async def test_made_up_names_cannot_grow_the_metrics_page(tmp_path: Path) -> Non
                                         transports=["tcp"])))
             writer.write(encode(message("connect", params={})))
             decoder = FrameDecoder(CONTROL)
-            while (msg := decoder.next_message()) is None or msg["t"] != "ready":
+            while (msg := decoder.next_message()) is None or msg.kind != "ready":
                 data = await asyncio.wait_for(reader.read(65536), 10)
                 assert data
                 decoder.feed(data)

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from kvwired.errors import RequestAborted
 from kvwired.protocol import CONTROL, validate
+from kvwired.protocol import control as ctl
 from kvwired.verdicts import (
     MissedFailures,
     Verdict,
@@ -60,9 +61,11 @@ def test_the_book_never_holds_more_than_its_limit_and_keeps_the_newest(
     None, Verdict(3, True, checksum=(1 << 64) - 1),
     Verdict(4, False, error=RequestAborted("the decode engine released request r early"))])
 def test_a_verdict_crosses_the_wire_as_it_was_kept(verdict: Verdict | None) -> None:
-    msg = validate(to_message("r", 3 if verdict is None else verdict.lease, verdict), CONTROL)
+    msg = validate(to_message("r", 3 if verdict is None else verdict.lease, verdict).to_wire(),
+                   CONTROL)
+    assert isinstance(msg, ctl.Verdict)
     back = from_message(msg)
-    assert outcome(back) == outcome(verdict) == msg["outcome"]
+    assert outcome(back) == outcome(verdict) == msg.outcome
     if verdict is not None and back is not None:
         assert (back.lease, back.delivered, back.checksum) == (
             verdict.lease, verdict.delivered, verdict.checksum)

@@ -11,6 +11,7 @@ from kvwired import analysis
 from kvwired.client import SenderClient
 from kvwired.errors import KvwireError
 from kvwired.protocol import Message
+from kvwired.protocol import sender_local as prefill_api
 from kvwired.units import format_size
 
 from .. import table
@@ -47,10 +48,10 @@ async def run_sweep(socket: str | None, params: dict[str, Any],
     run = SweepRun(params)
 
     def on_message(msg: Message) -> None:
-        if msg["t"] == "row":
-            run.rows.append(dict(msg["row"]))
-        elif msg["t"] == "progress":
-            progress.update(msg["phase"], msg["done"], msg["total"])
+        if isinstance(msg, prefill_api.Row):
+            run.rows.append(dict(msg.row))
+        elif isinstance(msg, prefill_api.Progress):
+            progress.update(msg.phase, msg.done, msg.total)
 
     client = await SenderClient.connect(socket)
     try:

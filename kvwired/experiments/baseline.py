@@ -31,7 +31,9 @@ import structlog
 from .. import analysis, immediate
 from ..config import free_port, parse_address
 from ..errors import ConfigError, ExperimentFailed, KvwireError, UsageError
-from ..protocol import Message, message
+from ..protocol import Message
+from ..protocol import control as ctl
+from ..protocol import sender_local as local
 from ..rdma import pick_gid
 from ..tasks import spawn
 from ..units import format_size, parse_size
@@ -56,7 +58,7 @@ SOCKET_LOOP_MAX_BYTES = 256 << 20
 class BaselineService:
     """A ``ReceiverService``: the server half of one measurement per ``baseline``."""
 
-    messages = frozenset({"baseline", "baseline_stop"})
+    messages: tuple[type[Message], ...] = (ctl.Baseline, ctl.BaselineStop)
 
     def __init__(self) -> None:
         self._host: ReceiverHost | None = None
@@ -67,13 +69,13 @@ class BaselineService:
         self._host = receiver
 
     def handle(self, session: SessionHandle, msg: Message) -> None:
-        if msg["t"] == "baseline":
-            serve = self._serve_socket if msg["tool"] == SOCKET else self._serve_perftest
-            spawn(serve(session, msg), f"baseline-{msg['req']}")
-            return
-        entry = self._servers.get(msg["req"])
-        if entry is not None and entry[0] is session:
-            asyncio.get_running_loop().call_later(SERVER_EXIT_GRACE, entry[1])
+        if isinstance(msg, ctl.Baseline):
+            serve = self._serve_socket if msg.tool == SOCKET else self._serve_perftest
+            spawn(serve(session, msg), f"baseline-{msg.req}")
+        elif isinstance(msg, ctl.BaselineStop):
+            entry = self._servers.get(msg.req)
+            if entry is not None and entry[0] is session:
+                asyncio.get_running_loop().call_later(SERVER_EXIT_GRACE, entry[1])
 
     def on_immediate(self, session: SessionHandle, lease_id: int,
                      layer: int) -> immediate.Taken:
@@ -84,13 +86,13 @@ class BaselineService:
             if owner is session:
                 stop()
 
-    async def _serve_perftest(self, session: SessionHandle, msg: Message) -> None:
-        req = msg["req"]
+    async def _serve_perftest(self, session: SessionHandle, msg: ctl.Baseline) -> None:
+        req = msg.req
         assert self._host is not None, "service not bound to a receiver"
         cfg = self._host.config
         try:
-            if msg["tool"] not in perftest.TOOLS:
-                raise UsageError(f"unknown baseline tool {msg['tool']!r}",
+            if msg.tool not in perftest.TOOLS:
+                raise UsageError(f"unknown baseline tool {msg.tool!r}",
                                  hint=f"use one of {', '.join((*perftest.TOOLS, SOCKET))}")
             if self._host.transport.name != "verbs":
                 raise ExperimentFailed(
@@ -99,12 +101,12 @@ class BaselineService:
             gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
             port = free_port("")
             proc = await perftest.start_server(
-                perftest.command(msg["tool"], gid, msg["size"], msg["iters"], port))
+                perftest.command(msg.tool, gid, msg.size, msg.iters, port))
         except KvwireError as exc:
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             return
         self._servers[req] = (session, lambda: perftest.kill(proc))
-        session.conn.send(message("baseline_ready", req=req, port=port))
+        session.conn.send(ctl.BaselineReady(req=req, port=port))
         try:
             await asyncio.wait_for(proc.wait(), SERVER_LINGER)
         except TimeoutError:
@@ -112,10 +114,10 @@ class BaselineService:
         finally:
             self._servers.pop(req, None)
 
-    async def _serve_socket(self, session: SessionHandle, msg: Message) -> None:
-        req = msg["req"]
+    async def _serve_socket(self, session: SessionHandle, msg: ctl.Baseline) -> None:
+        req = msg.req
         try:
-            spec = socket_loop.LoopSpec(msg["size"], msg["iters"], rounds=1)
+            spec = socket_loop.LoopSpec(msg.size, msg.iters, rounds=1)
             if not 1 <= spec.total <= SOCKET_LOOP_MAX_BYTES or spec.size < 1:
                 raise UsageError(
                     f"a socket-loop baseline of {spec.chunks} x {spec.size} B is outside "
@@ -124,10 +126,10 @@ class BaselineService:
         except (KvwireError, OSError) as exc:
             error = exc if isinstance(exc, KvwireError) else ExperimentFailed(
                 f"cannot listen for the socket-loop baseline: {exc}")
-            session.conn.send(message("refused", req=req, error=error.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=error.to_wire()))
             return
         self._servers[req] = (session, server.stop)
-        session.conn.send(message("baseline_ready", req=req, port=server.port))
+        session.conn.send(ctl.BaselineReady(req=req, port=server.port))
         try:
             rounds = await asyncio.wait_for(asyncio.to_thread(server.run), SERVER_LINGER)
             log.info("socket-loop baseline served", req=req, rounds=rounds,
@@ -150,12 +152,12 @@ async def served(link: PeerHandle, req: str, tool: str, size: int,
     """The receiver of ``link`` serving one run of ``tool``: the host and port
     to run the client against. The receiver hears ``baseline_stop`` after."""
     ready = await link.request(
-        message("baseline", req=req, tool=tool, size=size, iters=iters),
-        undo=lambda answer: message("baseline_stop", req=answer["req"]))
+        ctl.Baseline(req=req, tool=tool, size=size, iters=iters), ctl.BaselineReady,
+        undo=lambda answer: ctl.BaselineStop(req=answer.req))
     try:
-        yield parse_address(link.address, 7471)[0], int(ready["port"])
+        yield parse_address(link.address, 7471)[0], ready.port
     finally:
-        link.send(message("baseline_stop", req=req))
+        link.send(ctl.BaselineStop(req=req))
 
 
 async def measure_socket_loop(link: PeerHandle, req: str,
@@ -205,7 +207,7 @@ async def run_socket_loop(daemon: SenderHost, req: str, params: dict[str, Any],
         row = {"size": size, "bytes": spec.total, "seconds": seconds,
                "median_seconds": median, "gbps": analysis.gbps(spec.total, median)}
         rows.append(row)
-        report(message("row", req=req, row=row))
+        report(local.Row(req=req, row=row))
         log.info("socket loop measured", peer=link.name, size=size,
                  median_ms=round(median * 1e3, 2))
     return {"peer": link.name, "sender": daemon.config.name, "bytes": loop.total,

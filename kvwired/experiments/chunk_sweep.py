@@ -34,7 +34,8 @@ import structlog
 from .. import analysis
 from ..errors import ExperimentFailed, KvwireError, PerftestFailed
 from ..layout import KVLayout
-from ..protocol import Message, message
+from ..protocol import control as ctl
+from ..protocol import sender_local as local
 from ..rdma import pick_gid
 from ..transport.base import DataChannel
 from ..units import format_size
@@ -59,7 +60,7 @@ class _Progress:
         now = time.monotonic()
         if force or done >= total or now - self.last >= PROGRESS_EVERY:
             self.last = now
-            self.report(message("progress", req=self.req, phase=phase, done=done, total=total))
+            self.report(local.Progress(req=self.req, phase=phase, done=done, total=total))
 
 
 @dataclass
@@ -97,7 +98,7 @@ class ChunkSweep:
                         hint=f"the {len(self.rows)} sizes measured before are kept; check the "
                         "receiver (its log, kvctl status)") from exc
                 self.rows.append(row)
-                self.report(message("row", req=self.req, row=row))
+                self.report(local.Row(req=self.req, row=row))
                 log.info("chunk-sweep size done", **{
                     k: v for k, v in row.items() if not isinstance(v, list)})
         finally:
@@ -125,22 +126,21 @@ class ChunkSweep:
 
     async def _open_echo(self, link: PeerHandle, echo: EchoInitiator) -> None:
         offer = await link.request(
-            message("echo_open", req=self.req, bytes=echo.slot.length, sizes=echo.sizes),
-            undo=_close_unwanted_echo)
-        echo.lease, echo.remote_offset, echo.key = offer["lease"], offer["offset"], offer["key"]
+            ctl.EchoOpen(req=self.req, bytes=echo.slot.length, sizes=echo.sizes),
+            ctl.EchoOffer, undo=_close_unwanted_echo)
+        echo.lease, echo.remote_offset, echo.key = offer.lease, offer.offset, offer.key
         link.attach(echo.lease, echo)
         echo.responder = self.daemon.transport.responder(
             link.local_host, echo.on_immediate, echo.fail)
-        answer = await echo.responder.accept(offer["params"])
-        await link.request(message("echo_answer", req=self.req, lease=echo.lease,
-                                   reply_offset=echo.slot.offset, params=answer),
-                           undo=_close_unwanted_echo)
+        answer = await echo.responder.accept(offer.params)
+        await link.request(ctl.EchoAnswer(req=self.req, lease=echo.lease,
+                                          reply_offset=echo.slot.offset, params=answer),
+                           ctl.EchoReady, undo=_close_unwanted_echo)
 
     def _close_echo(self, link: PeerHandle, echo: EchoInitiator) -> None:
         if echo.lease:
             link.detach(echo.lease)
-            link.send(message("echo_close", req=self.req, lease=echo.lease,
-                              answers=echo.answers))
+            link.send(ctl.EchoClose(req=self.req, lease=echo.lease, answers=echo.answers))
         if echo.responder is not None:
             echo.responder.close()
 
@@ -323,8 +323,8 @@ async def _connect_and_run(args: list[str], limit: float) -> str:
                              hint=out.strip()[-600:])
 
 
-def _close_unwanted_echo(answer: Message) -> Message:
-    return message("echo_close", req=answer["req"], lease=answer["lease"], answers=0)
+def _close_unwanted_echo(answer: ctl.EchoOffer | ctl.EchoReady) -> ctl.EchoClose:
+    return ctl.EchoClose(req=answer.req, lease=answer.lease, answers=0)
 
 
 async def run(daemon: SenderHost, req: str, params: dict[str, Any],

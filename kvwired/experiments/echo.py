@@ -31,7 +31,8 @@ import structlog
 from .. import immediate
 from ..errors import ExperimentFailed, KvwireError, ProtocolError, TransportError
 from ..pool import Slot
-from ..protocol import Message, message
+from ..protocol import Handlers, Message
+from ..protocol import control as ctl
 from ..tasks import spawn
 from ..transport.base import DataChannel, Initiator, Responder, Transport, Write
 from .host import Connection, ReceiverHost, SessionHandle
@@ -71,19 +72,19 @@ class EchoLease:
     released: bool = False  # channel closed, slot given back (a failed echo awaits echo_close)
     key: int = 0  # the sender's key for the echo slot's bytes
 
-    async def offer(self, transport: Transport) -> Message:
+    async def offer(self, transport: Transport) -> ctl.EchoOffer:
         self.initiator = transport.initiator(self.conn.local_host)
         params = await self.initiator.offer()
-        return message("echo_offer", req=self.req, lease=self.id, offset=self.slot.offset,
-                       key=self.key, params=params)
+        return ctl.EchoOffer(req=self.req, lease=self.id, offset=self.slot.offset,
+                             key=self.key, params=params)
 
-    async def complete(self, msg: Message) -> Message:
+    async def complete(self, msg: ctl.EchoAnswer) -> ctl.EchoReady:
         if self.initiator is None or self.channel is not None:
             raise ProtocolError(f"echo_answer for lease {self.id} out of turn")
         # The channel checks every write against the sender's region.
-        self.reply_offset = max(0, msg["reply_offset"])
-        self.channel = await self.initiator.complete(msg["params"])
-        return message("echo_ready", req=self.req, lease=self.id)
+        self.reply_offset = max(0, msg.reply_offset)
+        self.channel = await self.initiator.complete(msg.params)
+        return ctl.EchoReady(req=self.req, lease=self.id)
 
     def answer(self, index: int, on_error: Callable[[KvwireError], None]) -> bool:
         """Write the ping's size back with the same immediate; False if it cannot be."""
@@ -113,12 +114,18 @@ class EchoLease:
 class EchoService:
     """The receiver's side of echo leases (a ``ReceiverService``)."""
 
-    messages = frozenset({"echo_open", "echo_answer", "echo_close"})
+    messages: tuple[type[Message], ...] = (ctl.EchoOpen, ctl.EchoAnswer, ctl.EchoClose)
 
     def __init__(self) -> None:
         self._host: ReceiverHost | None = None
         self.echoes: dict[int, EchoLease] = {}
         self._owners: dict[int, SessionHandle] = {}
+        handlers = self._handlers = Handlers[SessionHandle]("a sender")
+        handlers.on(ctl.EchoOpen, lambda session, msg: spawn(
+            self._open(session, msg), f"echo-{msg.req}"))
+        handlers.on(ctl.EchoAnswer, lambda session, msg: spawn(
+            self._answer(session, msg), f"echo-answer-{msg.req}"))
+        handlers.on(ctl.EchoClose, self._closed_by_sender)
 
     @property
     def host(self) -> ReceiverHost:
@@ -129,18 +136,15 @@ class EchoService:
         self._host = receiver
 
     def handle(self, session: SessionHandle, msg: Message) -> None:
-        kind = msg["t"]
-        if kind == "echo_open":
-            spawn(self._open(session, msg), f"echo-{msg['req']}")
-        elif kind == "echo_answer":
-            spawn(self._answer(session, msg), f"echo-answer-{msg['req']}")
-        else:
-            echo = self.echoes.get(msg["lease"])
-            if echo is not None and self._owners.get(echo.id) is session:
-                # Answers the sender never saw (lost with a failed channel)
-                # did not bring their credits back: the message does.
-                session.return_credits(echo.answered - msg["answers"])
-                self._close(echo)
+        self._handlers(session, msg)
+
+    def _closed_by_sender(self, session: SessionHandle, msg: ctl.EchoClose) -> None:
+        echo = self.echoes.get(msg.lease)
+        if echo is not None and self._owners.get(echo.id) is session:
+            # Answers the sender never saw (lost with a failed channel)
+            # did not bring their credits back: the message does.
+            session.return_credits(echo.answered - msg.answers)
+            self._close(echo)
 
     def on_immediate(self, session: SessionHandle, lease_id: int,
                      layer: int) -> immediate.Taken:
@@ -156,13 +160,13 @@ class EchoService:
             if owner is session:
                 self._close(self.echoes[echo_id])
 
-    async def _open(self, session: SessionHandle, msg: Message) -> None:
-        req, host = msg["req"], self.host
+    async def _open(self, session: SessionHandle, msg: ctl.EchoOpen) -> None:
+        req, host = msg.req, self.host
         try:
-            sizes = check_sizes(msg["sizes"], msg["bytes"])
-            slot = await host.pool.reserve(msg["bytes"], host.config.lease_wait)
+            sizes = check_sizes(msg.sizes, msg.bytes)
+            slot = await host.pool.reserve(msg.bytes, host.config.lease_wait)
         except KvwireError as exc:
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             return
         if not session.alive:
             host.pool.release(slot)
@@ -177,21 +181,21 @@ class EchoService:
             offer = await echo.offer(host.transport)
         except KvwireError as exc:
             self._close(echo)
-            session.conn.send(message("refused", req=req, error=exc.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             return
-        log.info("echo lease opened", req=req, sender=session.name, bytes=msg["bytes"])
+        log.info("echo lease opened", req=req, sender=session.name, bytes=msg.bytes)
         session.conn.send(offer)
 
-    async def _answer(self, session: SessionHandle, msg: Message) -> None:
-        echo = self.echoes.get(msg["lease"])
+    async def _answer(self, session: SessionHandle, msg: ctl.EchoAnswer) -> None:
+        echo = self.echoes.get(msg.lease)
         try:
             if echo is None or self._owners.get(echo.id) is not session:
-                raise ProtocolError(f"echo_answer for unknown echo lease {msg['lease']}")
+                raise ProtocolError(f"echo_answer for unknown echo lease {msg.lease}")
             session.conn.send(await echo.complete(msg))
         except KvwireError as exc:
             if echo is not None:
                 self._close(echo)
-            session.conn.send(message("refused", req=msg["req"], error=exc.to_wire()))
+            session.conn.send(ctl.Refused(req=msg.req, error=exc.to_wire()))
 
     def _failed(self, session: SessionHandle, echo: EchoLease, error: KvwireError) -> None:
         if self.echoes.get(echo.id) is not echo or echo.released:
@@ -201,8 +205,7 @@ class EchoService:
         # echo_close says how many answers it saw, so its credits balance.
         self._release(echo, session)
         if session.alive:
-            session.conn.send(message("abort", req=echo.req, lease=echo.id,
-                                      error=error.to_wire()))
+            session.conn.send(ctl.Abort(req=echo.req, lease=echo.id, error=error.to_wire()))
         else:
             self._close(echo)
 

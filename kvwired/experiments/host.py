@@ -10,7 +10,7 @@ made on purpose.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..config import ReceiverConfig, SenderConfig
 from ..errors import KvwireError
@@ -20,6 +20,7 @@ from ..protocol import Message
 from ..transport.base import DataChannel, Responder, Transport
 
 Report = Callable[[Message], None]
+A = TypeVar("A", bound=Message)
 
 
 class Connection(Protocol):
@@ -64,8 +65,8 @@ class PeerHandle(Protocol):
 
     async def ensure(self) -> None: ...
 
-    async def request(self, msg: Message,
-                      undo: Callable[[Message], Message | None] | None = None) -> Message: ...
+    async def request(self, msg: Message, answer: type[A],
+                      undo: Callable[[A], Message | None] | None = None) -> A: ...
 
     def send(self, msg: Message) -> None: ...
 

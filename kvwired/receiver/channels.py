@@ -20,7 +20,7 @@ from ..config import ReceiverConfig
 from ..control import MISSED_PINGS
 from ..errors import KvwireError, ProtocolError
 from ..metrics import Metrics
-from ..protocol import Message, message
+from ..protocol import control as ctl
 from ..transport import Transport
 from ..transport.base import Responder
 from .leases import LeaseBook
@@ -43,7 +43,7 @@ class DataChannels:
         self.book = book
         self.on_immediate = on_immediate
 
-    async def add(self, session: SenderSession, connect: Message) -> None:
+    async def add(self, session: SenderSession, connect: ctl.Connect) -> None:
         """One more data channel for the session, answered with ``ready``."""
         channel = len(session.responders)
         if channel >= stripes.MAX_CHANNELS:
@@ -53,9 +53,9 @@ class DataChannels:
                 hint=f"set qps_per_peer to at most {stripes.MAX_CHANNELS}")
         responder = self._responder(session, channel)
         session.responders.append(responder)
-        session.conn.send(message("ready", params=await responder.accept(connect["params"])))
+        session.conn.send(ctl.Ready(params=await responder.accept(connect.params)))
 
-    async def add_more(self, session: SenderSession, msg: Message) -> None:
+    async def add_more(self, session: SenderSession, msg: ctl.Connect) -> None:
         """A ``connect`` after the handshake; a refusal ends the session."""
         try:
             await self.add(session, msg)
@@ -77,26 +77,26 @@ class DataChannels:
             failed)
         return responder
 
-    async def replace(self, session: SenderSession, msg: Message) -> None:
+    async def replace(self, session: SenderSession, msg: ctl.Replace) -> None:
         """A new responder takes the failed channel's place, the old one is
         closed (no write under its keys can land any more), and every lease
         that still takes writes gets a key on the new one."""
-        channel = msg["channel"]
-        req = msg["req"]
+        channel = msg.channel
+        req = msg.req
         if channel >= len(session.responders):
             error = ProtocolError(f"sender {session.name} replaced data channel {channel}; "
                                   f"its session has {len(session.responders)}")
-            session.conn.send(message("refused", req=req, error=error.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=error.to_wire()))
             return
         began = asyncio.get_running_loop().time()
         responder = self._responder(session, channel)
         try:
-            params = await responder.accept(msg["params"])
+            params = await responder.accept(msg.params)
         except KvwireError as exc:
             log.warning("data channel not replaced", sender=session.name, channel=channel,
                         error=str(exc))
             if session.alive:
-                session.conn.send(message("refused", req=req, error=exc.to_wire()))
+                session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             return
         if not session.alive:
             responder.close()
@@ -115,7 +115,7 @@ class DataChannels:
                  leases=len(keys),
                  seconds=round(asyncio.get_running_loop().time() - began, 3))
         if session.alive:
-            session.conn.send(message("replaced", req=req, params=params, keys=keys))
+            session.conn.send(ctl.Replaced(req=req, params=params, keys=keys))
 
     def failed(self, session: SenderSession, channel: int, responder: Responder,
                exc: Exception) -> None:

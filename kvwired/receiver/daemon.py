@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import structlog
@@ -28,12 +28,14 @@ from .. import gate, immediate
 from ..config import CommonConfig, ReceiverConfig, parse_address
 from ..daemon import Daemon
 from ..discovery.membership import Member
-from ..errors import ConfigError, PeerLost, ProtocolError, from_wire
+from ..errors import ConfigError, PeerLost, from_wire
 from ..gate import Gate
 from ..lifecycle.lease import LeaseState
 from ..metrics import LiveSample
 from ..pool import Pool
-from ..protocol import PROTOCOL_VERSION, RECEIVER_LOCAL, Message, message
+from ..protocol import PROTOCOL_VERSION, RECEIVER_LOCAL, Error, Handlers, Message
+from ..protocol import control as ctl
+from ..protocol import receiver_local as local
 from ..quota import SenderQuotas
 from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
@@ -49,8 +51,6 @@ log = structlog.get_logger("kvwired.receiver")
 
 HOLDING_STATES = tuple(state for state in LeaseState if state is not LeaseState.FREED)
 
-Handler = Callable[[SenderSession, Message], object]
-
 
 class ReceiverService(Protocol):
     """Control messages beyond the request path, handed in at wiring time.
@@ -60,7 +60,7 @@ class ReceiverService(Protocol):
     lease ids to them, and tells them when a sender's session ends.
     """
 
-    messages: frozenset[str]
+    messages: tuple[type[Message], ...]
 
     def bind(self, receiver: ReceiverDaemon) -> None: ...
 
@@ -106,23 +106,23 @@ class ReceiverDaemon(Daemon):
         self.senders = Senders(config, self.metrics, self.trust, self._gate,
                                self.transport.name, self.channels, self.book,
                                self._dispatch, [s.session_closed for s in self.services])
-        self._handlers: dict[str, Handler] = {
-            "open": lambda s, m: spawn(self.book.open(s, m), f"open-{m['req']}"),
-            "connect": lambda s, m: spawn(self.channels.add_more(s, m), "connect"),
-            "replace": lambda s, m: spawn(self.channels.replace(s, m),
-                                          f"replace-{m['channel']}"),
-            "abort": self.book.sender_abort,
-            "abort_ack": self.book.sender_abort,
-            "ask": lambda s, m: spawn(self.book.answer_ask(s, m["req"], m["lease"]),
-                                      f"ask-{m['req']}"),
-            "withdrawn": lambda s, m: self.book.withdrawn(s, m["req"], from_wire(m["error"])),
-            "bye": self._said_goodbye,
-            "error": self._reported_error,
-        }
+        handlers = self._handlers = Handlers[SenderSession]("a sender")
+        handlers.on(ctl.Open, lambda s, m: spawn(self.book.open(s, m), f"open-{m.req}"))
+        handlers.on(ctl.Connect, lambda s, m: spawn(self.channels.add_more(s, m), "connect"))
+        handlers.on(ctl.Replace, lambda s, m: spawn(self.channels.replace(s, m),
+                                                    f"replace-{m.channel}"))
+        handlers.on(ctl.Abort, self.book.sender_abort)
+        handlers.on(ctl.AbortAck, self.book.sender_ack)
+        handlers.on(ctl.Ask, lambda s, m: spawn(self.book.answer_ask(s, m.req, m.lease),
+                                                f"ask-{m.req}"))
+        handlers.on(ctl.Withdrawn,
+                    lambda s, m: self.book.withdrawn(s, m.req, from_wire(m.error)))
+        handlers.on(ctl.Bye, self._said_goodbye)
+        handlers.on(Error, self._reported_error)
         for service in self.services:
             service.bind(self)
             for kind in service.messages:
-                self._handlers[kind] = service.handle
+                handlers.on(kind, service.handle)
 
     @property
     def pool(self) -> Pool:
@@ -268,18 +268,15 @@ class ReceiverDaemon(Daemon):
     # ------------------------------------------------------ what senders say
 
     def _dispatch(self, session: SenderSession, msg: Message) -> None:
-        handler = self._handlers.get(msg["t"])
-        if handler is None:
-            raise ProtocolError(f"a sender may not send {msg['t']!r}")
-        handler(session, msg)
+        self._handlers(session, msg)
 
     @staticmethod
-    def _said_goodbye(session: SenderSession, msg: Message) -> None:
-        raise PeerLost(f"sender {session.name} said goodbye: {msg['reason']}")
+    def _said_goodbye(session: SenderSession, msg: ctl.Bye) -> None:
+        raise PeerLost(f"sender {session.name} said goodbye: {msg.reason}")
 
     @staticmethod
-    def _reported_error(session: SenderSession, msg: Message) -> None:
-        raise PeerLost(f"sender {session.name} reported: {msg['error'].get('message')}")
+    def _reported_error(session: SenderSession, msg: Error) -> None:
+        raise PeerLost(f"sender {session.name} reported: {msg.error.get('message')}")
 
     def _on_immediate(self, session: SenderSession, channel: int, imm: int) -> None:
         count_received(session, self.metrics)
@@ -300,7 +297,7 @@ class ReceiverDaemon(Daemon):
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         consumer = Consumer(writer)
-        welcome = message("welcome", name=self.config.name, pool_size=self.pool.size)
+        welcome = local.Welcome(name=self.config.name, pool_size=self.pool.size)
         fd = self.pool.memory.readonly_fd()  # decode engines only read the pool
         try:
             await self.serve_engine(reader, writer, RECEIVER_LOCAL, welcome, fd,

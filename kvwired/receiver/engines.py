@@ -11,16 +11,15 @@ asks for a request which already ended undelivered is told at once
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
-from typing import ClassVar
 
 import structlog
 
 from ..config import ReceiverConfig
-from ..errors import KvwireError, ProtocolError, RequestAborted, UsageError
+from ..errors import KvwireError, RequestAborted, UsageError
 from ..lifecycle.lease import LeaseEvent, LeaseState
 from ..metrics import Metrics
-from ..protocol import Message, encode, message
+from ..protocol import Failed, Handlers, Message, encode
+from ..protocol import receiver_local as local
 from ..verdicts import MissedFailures
 from .leases import Lease, LeaseBook
 
@@ -49,6 +48,10 @@ class Engines:
         self.subscribers: dict[str, set[Consumer]] = {}
         self.missed = MissedFailures()  # for decode engines that subscribe late
         self._book: LeaseBook | None = None
+        handlers = self._handlers = Handlers[Consumer]("a decode engine")
+        handlers.on(local.Subscribe, lambda c, m: self.subscribe(c, m.req))
+        handlers.on(local.Unsubscribe, lambda c, m: self.unsubscribe(c, m.req))
+        handlers.on(local.Release, lambda c, m: self.release(c, m.req))
         # Read at scrape time, on the metrics thread: a copy of the sets' sizes.
         metrics.subscriptions.set_function(
             lambda: float(sum(map(len, list(self.subscribers.values())))))
@@ -65,18 +68,14 @@ class Engines:
     # ----------------------------------------- what engines send us
 
     def handle(self, consumer: Consumer, msg: Message) -> None:
-        kind = msg["t"]
-        handler = self._handlers.get(kind)
-        if handler is None:
-            raise ProtocolError(f"a decode engine may not send {kind!r}")
-        handler(self, consumer, msg["req"])
+        self._handlers(consumer, msg)
 
     def subscribe(self, consumer: Consumer, req: str) -> None:
         lease = self.book.by_req.get(req)
         missed = self.missed.lookup(req, asyncio.get_running_loop().time())
         if lease is None and missed is not None:
             # It ended, undelivered, before this engine asked: say so now.
-            consumer.send(message("failed", req=req, error=missed.to_wire()))
+            consumer.send(Failed(req=req, error=missed.to_wire()))
             return
         consumer.subscribed.add(req)
         self.subscribers.setdefault(req, set()).add(consumer)
@@ -101,12 +100,12 @@ class Engines:
                 lease.claimed = False
                 if lease.state is LeaseState.HELD:
                     self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
-        consumer.send(message("unsubscribed", req=req))
+        consumer.send(local.Unsubscribed(req=req))
 
     def release(self, consumer: Consumer, req: str) -> None:
         lease = self.book.by_req.get(req)
         if lease is None:
-            consumer.send(message("failed", req=req, error=UsageError(
+            consumer.send(Failed(req=req, error=UsageError(
                 f"request {req} is not held by this receiver",
                 hint="release only requests you subscribed to and saw complete").to_wire()))
             return
@@ -119,10 +118,8 @@ class Engines:
                 hint="release a request once it is delivered, or let the sender finish it")
         self.book.event(lease, LeaseEvent.ENGINE_RELEASE)
         self.subscribers.pop(req, None)
-        consumer.send(message("released", req=req))
+        consumer.send(local.Released(req=req))
 
-    _handlers: ClassVar[Mapping[str, Callable[[Engines, Consumer, str], None]]] = {
-        "subscribe": subscribe, "unsubscribe": unsubscribe, "release": release}
 
     def gone(self, consumer: Consumer) -> None:
         """A decode engine left (or died): what only it held goes back to the pool."""
@@ -152,7 +149,7 @@ class Engines:
     def fail(self, req: str, error: KvwireError) -> None:
         """``failed`` is a subscription's last word: an engine that wants the id
         again (a request pushed anew) subscribes anew."""
-        self.notify(req, message("failed", req=req, error=error.to_wire()))
+        self.notify(req, Failed(req=req, error=error.to_wire()))
         for consumer in self.subscribers.pop(req, ()):
             consumer.subscribed.discard(req)
 

@@ -31,7 +31,9 @@ from ..layout import RequestShape
 from ..lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
 from ..metrics import Metrics
 from ..pool import Pool, Slot
-from ..protocol import Message, message
+from ..protocol import Message
+from ..protocol import control as ctl
+from ..protocol import receiver_local as local
 from ..quota import SenderQuotas
 from ..transport.base import Responder
 from ..verdicts import Verdict, VerdictBook
@@ -91,14 +93,14 @@ class Lease:
     def abort_reason(self) -> KvwireError:
         return self.error or RequestAborted(f"request {self.req} was aborted")
 
-    def layer_message(self, n: int) -> Message:
-        return message("layer", req=self.req, layer=n, offset=self.slot.offset,
-                       length=self.shape.total_bytes)
+    def layer_message(self, n: int) -> local.Layer:
+        return local.Layer(req=self.req, layer=n, offset=self.slot.offset,
+                           length=self.shape.total_bytes)
 
-    def complete_message(self) -> Message:
-        return message("complete", req=self.req, offset=self.slot.offset,
-                       length=self.shape.total_bytes, layers=self.shape.layers,
-                       checksum=self.checksum)
+    def complete_message(self) -> local.Complete:
+        return local.Complete(req=self.req, offset=self.slot.offset,
+                              length=self.shape.total_bytes, layers=self.shape.layers,
+                              checksum=self.checksum)
 
 
 class LeaseWatchers(Protocol):
@@ -153,14 +155,14 @@ class LeaseBook:
 
     # ------------------------------------------------------------ opening
 
-    async def open(self, session: SenderSession, msg: Message) -> None:
-        req = msg["req"]
+    async def open(self, session: SenderSession, msg: ctl.Open) -> None:
+        req = msg.req
         try:
             if not self._accepting():
                 raise RequestRefused(
                     f"the receiver is shutting down; request {req} was not accepted",
                     hint="send it to another receiver, or once this one is back")
-            shape = RequestShape.from_wire(msg["shape"])
+            shape = RequestShape.from_wire(msg.shape)
             if shape.layers > immediate.MAX_LAYERS:
                 raise RequestTooLarge(
                     f"request {req} has {shape.layers} layers; at most "
@@ -176,7 +178,7 @@ class LeaseBook:
             error = exc if isinstance(exc, KvwireError) else ProtocolError(f"bad shape: {exc}")
             log.info("request refused", req=req, sender=session.name, reason=str(error))
             self.metrics.requests.labels(session.label, "refused").inc()
-            session.conn.send(message("refused", req=req, error=error.to_wire()))
+            session.conn.send(ctl.Refused(req=req, error=error.to_wire()))
             if not isinstance(error, DuplicateRequest):  # theirs is the request we hold
                 self.watchers.refused(req, error)
             return
@@ -185,28 +187,27 @@ class LeaseBook:
         except KvwireError as exc:
             self.give_back(session.name, slot, shape.total_bytes)
             if session.alive:
-                session.conn.send(message("refused", req=req, error=exc.to_wire()))
+                session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             self.watchers.refused(req, exc)
             return
         if not session.alive or req in self.by_req:
             revoke_keys(session.responders, keys, lambda: self.give_back(
                 session.name, slot, shape.total_bytes))
             if session.alive:
-                session.conn.send(message("refused", req=req, error=DuplicateRequest(
+                session.conn.send(ctl.Refused(req=req, error=DuplicateRequest(
                     f"request {req} is already held by this receiver").to_wire()))
             return
         lease = Lease(self.allocate_lease_id(), req, shape, slot, session, LeaseMachine(req),
                       LeaseKeys(req, session, keys),
                       stripes.LandingFence(len(keys), shape.layers),
                       opened_at=asyncio.get_running_loop().time(),
-                      discard=bool(msg.get("discard")))
+                      discard=bool(msg.discard))
         self.leases[lease.id] = lease
         self.by_req[req] = lease
         self.watchers.opened(lease)
         session.leases.add(lease.id)
         self.update_pool_metrics()
-        session.conn.send(message("lease", req=req, lease=lease.id, offset=slot.offset,
-                                  keys=keys))
+        session.conn.send(ctl.Lease(req=req, lease=lease.id, offset=slot.offset, keys=keys))
 
     async def _reserve(self, sender: str, length: int) -> Slot:
         """Room under the sender's quota, then in the pool, within one lease_wait."""
@@ -285,16 +286,16 @@ class LeaseBook:
         session = lease.session
         if action is LeaseAction.SEND_DELIVERED:
             if session.alive:
-                session.conn.send(message("delivered", req=lease.req, lease=lease.id,
-                                          checksum=lease.checksum))
+                session.conn.send(ctl.Delivered(req=lease.req, lease=lease.id,
+                                                checksum=lease.checksum))
         elif action is LeaseAction.SEND_ABORT:
             self.metrics.requests.labels(session.label, "aborted").inc()
             if session.alive:
-                session.conn.send(message("abort", req=lease.req, lease=lease.id,
-                                          error=lease.abort_reason().to_wire()))
+                session.conn.send(ctl.Abort(req=lease.req, lease=lease.id,
+                                            error=lease.abort_reason().to_wire()))
         elif action is LeaseAction.SEND_ABORT_ACK:
             if session.alive:
-                session.conn.send(message("abort_ack", req=lease.req, lease=lease.id))
+                session.conn.send(ctl.AbortAck(req=lease.req, lease=lease.id))
         elif action is LeaseAction.NOTIFY_COMPLETE:
             self.watchers.notify(lease.req, lease.complete_message())
         elif action is LeaseAction.NOTIFY_FAILED:
@@ -327,26 +328,30 @@ class LeaseBook:
 
     # ------------------------------------------------ what senders say
 
-    def sender_abort(self, session: SenderSession, msg: Message) -> None:
-        """``abort`` or ``abort_ack`` from the sender."""
-        kind = msg["t"]
-        # A lease this sender no longer holds is one we already freed: the
-        # message crossed ours. Anything else out of turn breaks the protocol.
-        lease = self.leases.get(msg["lease"])
-        if lease is None or lease.session is not session:
-            if kind == "abort" and session.alive:
+    def _held_by(self, session: SenderSession, lease_id: int) -> Lease | None:
+        """The sender's lease; None for one we already freed (our message about
+        it crossed theirs)."""
+        lease = self.leases.get(lease_id)
+        return lease if lease is not None and lease.session is session else None
+
+    def sender_abort(self, session: SenderSession, msg: ctl.Abort) -> None:
+        lease = self._held_by(session, msg.lease)
+        if lease is None:
+            if session.alive:
                 # Long gone (delivered and released, or freed with a lost
                 # connection): whatever we said about it went out first.
-                session.conn.send(message("abort_ack", req=msg["req"], lease=msg["lease"]))
+                session.conn.send(ctl.AbortAck(req=msg.req, lease=msg.lease))
             return
-        if kind == "abort":
-            log.info("sender aborted request", req=lease.req, state=lease.state.name,
-                     reason=msg["error"].get("message"))
-            lease.error = lease.error or RequestAborted(
-                f"the sender aborted request {lease.req}: {msg['error'].get('message')}",
-                hint="the prefill side gave up on it (deadline, abort, or it left)")
-            self.event(lease, LeaseEvent.SENDER_ABORT)
-        else:
+        reason = msg.error.get("message")
+        log.info("sender aborted request", req=lease.req, state=lease.state.name,
+                 reason=reason)
+        lease.error = lease.error or RequestAborted(
+            f"the sender aborted request {lease.req}: {reason}",
+            hint="the prefill side gave up on it (deadline, abort, or it left)")
+        self.event(lease, LeaseEvent.SENDER_ABORT)
+
+    def sender_ack(self, session: SenderSession, msg: ctl.AbortAck) -> None:
+        if (lease := self._held_by(session, msg.lease)) is not None:
             self.event(lease, LeaseEvent.SENDER_ACK)
 
     async def answer_ask(self, session: SenderSession, req: str, lease_id: int) -> None:

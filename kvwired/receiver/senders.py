@@ -26,7 +26,8 @@ from ..errors import (
 )
 from ..gate import Gate
 from ..metrics import Metrics
-from ..protocol import Message, message
+from ..protocol import Message
+from ..protocol import control as ctl
 from ..trust import Trust
 from .channels import DataChannels
 from .leases import LeaseBook
@@ -101,29 +102,29 @@ class Senders:
     async def _handshake(self, session: SenderSession, address: str) -> None:
         conn = session.conn
         hello = await conn.recv(self.gate.timeout)
-        if hello["t"] != "hello":
-            raise ProtocolError(f"expected a sender's hello, got {hello['t']!r}")
-        if hello["role"] != "sender":
+        if not isinstance(hello, ctl.Hello):
+            raise ProtocolError(f"expected a sender's hello, got {hello.kind!r}")
+        if hello.role != "sender":
             raise ProtocolError(
-                f"a {hello['role']!r} connected to receiver {self.config.name}'s control "
+                f"a {hello.role!r} connected to receiver {self.config.name}'s control "
                 "port, which takes sender daemons only",
                 hint="decode engines connect to the receiver's unix socket (ReceiverClient, "
                      "kvctl consume); prefill engines to their own sender daemon's")
-        self._authorize(conn, hello["name"], address)
-        session.name = hello["name"]
+        self._authorize(conn, hello.name, address)
+        session.name = hello.name
         session.label = self._peer_label(session.name)
         conn.label = f"sender {session.name}"
-        if self.transport_name not in hello["transports"]:
+        if self.transport_name not in hello.transports:
             raise ProtocolError(
-                f"sender {session.name} offers transports {hello['transports']}, "
+                f"sender {session.name} offers transports {hello.transports}, "
                 f"this receiver runs {self.transport_name}",
                 hint="configure the same transport on both daemons",
             )
-        conn.send(message("welcome", name=self.config.name, transport=self.transport_name,
-                          credits=self.config.credits))
+        conn.send(ctl.Welcome(name=self.config.name, transport=self.transport_name,
+                              credits=self.config.credits))
         connect = await conn.recv(self.gate.timeout)
-        if connect["t"] != "connect":
-            raise ProtocolError(f"expected connect, got {connect['t']!r}")
+        if not isinstance(connect, ctl.Connect):
+            raise ProtocolError(f"expected connect, got {connect.kind!r}")
         await self.channels.add(session, connect)
         log.info("sender connected", sender=session.name, peer=conn.peer_address,
                  authenticated=self.trust is not None)
@@ -184,5 +185,5 @@ class Senders:
     def say_goodbye(self, reason: str) -> None:
         for session in list(self.sessions):
             if session.alive:
-                session.conn.send(message("bye", reason=reason))
+                session.conn.send(ctl.Bye(reason=reason))
             self.drop(session, PeerLost(reason))

@@ -6,7 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from ..control import ControlConnection
-from ..protocol import message
+from ..protocol.control import Credits
 from ..transport.base import Responder
 
 
@@ -55,5 +55,4 @@ class SenderSession:
         if not self.alive:
             return
         for channel, n in returning.items():
-            fields = {"channel": channel} if channel else {}
-            self.conn.send(message("credits", n=n, **fields))
+            self.conn.send(Credits(n=n, channel=channel or None))

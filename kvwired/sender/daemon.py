@@ -33,7 +33,9 @@ from ..errors import (
 from ..layout import RequestShape
 from ..metrics import LiveSample
 from ..pool import Pool, Slot
-from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Message, encode, message
+from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Failed, Message, encode
+from ..protocol import control as ctl
+from ..protocol import sender_local as local
 from ..rdma import rail_gid
 from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
@@ -262,7 +264,7 @@ class SenderDaemon(Daemon):
             push.commit(layer)
         return (await push.outcome).timings
 
-    async def ask_verdict(self, req: str, peer: str, lease: int) -> Message | None:
+    async def ask_verdict(self, req: str, peer: str, lease: int) -> ctl.Verdict | None:
         """Receiver ``peer``'s verdict on a lease of ours, within delivery_timeout:
         a daemon just restarted may not know the peer yet (the registry's), so
         an unknown one is looked for again until then."""
@@ -295,27 +297,26 @@ class SenderDaemon(Daemon):
 
         session = EngineSession(send, self._open_for_engine, self._run_experiment,
                                 self.ask_verdict)
-        welcome = message("welcome", name=self.config.name, pool_size=self.staging.size,
-                          peers=sorted(self.links))
+        welcome = local.Welcome(name=self.config.name, pool_size=self.staging.size,
+                                peers=sorted(self.links))
         try:
             await self.serve_engine(reader, writer, SENDER_LOCAL, welcome,
                                     self.staging.memory.fd, session.handle, "prefill engine")
         finally:
             session.closed()
 
-    async def _open_for_engine(self, msg: Message) -> Push:
-        req = msg["req"]
+    async def _open_for_engine(self, msg: local.Open) -> Push:
+        req = msg.req
         try:
-            shape = RequestShape.from_wire(msg["shape"])
+            shape = RequestShape.from_wire(msg.shape)
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad shape for request {req}: {exc}") from exc
-        # The schema has checked every value's type and range (SENDER_LOCAL).
-        chunk_bytes = int(msg.get("chunk_bytes") or self.config.chunk_bytes)
-        deadline = msg.get("deadline")
+        # The decoder has checked every value's type and range (SENDER_LOCAL).
+        chunk_bytes = msg.chunk_bytes or self.config.chunk_bytes
         try:
-            return await self.open_push(req, msg["peer"], shape, chunk_bytes,
-                                        None if deadline is None else float(deadline),
-                                        bool(msg.get("discard")))
+            return await self.open_push(req, msg.peer, shape, chunk_bytes,
+                                        None if msg.deadline is None else float(msg.deadline),
+                                        bool(msg.discard))
         except KvwireError:
             raise
         except Exception as exc:
@@ -334,11 +335,10 @@ class SenderDaemon(Daemon):
             result = await experiment(self, req, params, report)
         except KvwireError as exc:
             log.warning("experiment failed", req=req, experiment=name, error=str(exc))
-            report(message("failed", req=req, error=exc.to_wire()))
+            report(Failed(req=req, error=exc.to_wire()))
             return
         except Exception as exc:
             log.exception("internal error in an experiment", req=req)
-            report(message("failed", req=req, error=internal_error(exc, "sender daemon")
-                           .to_wire()))
+            report(Failed(req=req, error=internal_error(exc, "sender daemon").to_wire()))
             return
-        report(message("result", req=req, result=result))
+        report(local.Result(req=req, result=result))

@@ -18,20 +18,21 @@ from ..errors import (
     DaemonUnavailable,
     DuplicateRequest,
     KvwireError,
-    ProtocolError,
     RequestAborted,
     UsageError,
     internal_error,
 )
-from ..protocol import Message, message
+from ..protocol import Failed, Handlers, Message
+from ..protocol import control as ctl
+from ..protocol import sender_local as local
 from ..tasks import spawn
 from .push import Delivery, Push
 
 log = structlog.get_logger("kvwired.sender")
 
-OpenPush = Callable[[Message], Awaitable[Push]]
+OpenPush = Callable[[local.Open], Awaitable[Push]]
 # (request, receiver, lease) -> the receiver's verdict, None if it could not be asked.
-AskVerdict = Callable[[str, str, int], Awaitable[Message | None]]
+AskVerdict = Callable[[str, str, int], Awaitable[ctl.Verdict | None]]
 RunExperiment = Callable[[str, str, dict[str, Any], Callable[[Message], None]],
                          Coroutine[Any, Any, None]]
 
@@ -50,6 +51,17 @@ class EngineSession:
         self.viewed: dict[str, Push] = {}
         self.runs: dict[str, asyncio.Task[None]] = {}
         self.gone = False
+        handlers = self._handlers = Handlers[None]("a prefill engine")
+        handlers.on(local.Open, lambda _, msg: spawn(self._open(msg), f"open-{msg.req}"))
+        handlers.on(local.Run, lambda _, msg: self._run(msg))
+        handlers.on(local.Ask, lambda _, msg: spawn(self._ask(msg.req, msg.peer, msg.lease),
+                                                    f"ask-{msg.req}"))
+        handlers.on(local.Dropped, lambda _, msg: self._dropped(msg.req))
+        handlers.on(local.Commit, lambda _, msg: self._with_push(
+            msg.req, lambda push: push.commit(msg.layer)))
+        handlers.on(local.Abort, lambda _, msg: self._with_push(
+            msg.req, lambda push: push.abort(RequestAborted(
+                f"the prefill engine aborted request {msg.req}"))))
 
     def send(self, msg: Message) -> None:
         if not self.gone:
@@ -57,34 +69,27 @@ class EngineSession:
 
     def handle(self, msg: Message) -> None:
         """Take one message from the engine."""
-        kind, req = msg["t"], msg.get("req", "")
-        if kind == "open":
-            spawn(self._open(msg), f"open-{req}")
-        elif kind == "run":
-            self._run(msg)
-        elif kind == "ask":
-            spawn(self._ask(req, msg["peer"], msg["lease"]), f"ask-{req}")
-        elif kind == "dropped":
-            if (ended := self.viewed.pop(req, None)) is not None:
-                ended.drop_views()
-        elif kind not in ("commit", "abort"):
-            raise ProtocolError(f"a prefill engine may not send {kind!r}")
-        elif (push := self.pushes.get(req)) is None:
-            self.send(message("failed", req=req, error=UsageError(
+        self._handlers(None, msg)
+
+    def _with_push(self, req: str, then: Callable[[Push], None]) -> None:
+        if (push := self.pushes.get(req)) is None:
+            self.send(Failed(req=req, error=UsageError(
                 f"no open request {req!r} on this connection",
                 hint="open it first; a failed request must be opened again").to_wire()))
-        elif kind == "commit":
-            push.commit(msg["layer"])
         else:
-            push.abort(RequestAborted(f"the prefill engine aborted request {req}"))
+            then(push)
 
-    async def _open(self, msg: Message) -> None:
-        req = msg["req"]
+    def _dropped(self, req: str) -> None:
+        if (ended := self.viewed.pop(req, None)) is not None:
+            ended.drop_views()
+
+    async def _open(self, msg: local.Open) -> None:
+        req = msg.req
         try:
             push = await self._open_push(msg)
         except KvwireError as exc:
-            log.info("push refused", req=req, peer=msg["peer"], reason=str(exc))
-            self.send(message("failed", req=req, error=exc.to_wire()))
+            log.info("push refused", req=req, peer=msg.peer, reason=str(exc))
+            self.send(Failed(req=req, error=exc.to_wire()))
             return
         if self.gone:
             push.abort(RequestAborted(
@@ -92,10 +97,9 @@ class EngineSession:
             push.drop_views()
             return
         self.pushes[req] = push
-        push.on_sent = lambda layer: self.send(message("sent", req=req, layer=layer))
-        self.send(message("opened", req=req, peer=push.link.name,
-                          offset=push.staging.offset, chunk_bytes=push.chunk_bytes,
-                          lease=push.lease))
+        push.on_sent = lambda layer: self.send(local.Sent(req=req, layer=layer))
+        self.send(local.Opened(req=req, peer=push.link.name, offset=push.staging.offset,
+                               chunk_bytes=push.chunk_bytes, lease=push.lease))
         push.outcome.add_done_callback(lambda outcome: self._ended(push, outcome))
 
     def _ended(self, push: Push, outcome: asyncio.Future[Delivery]) -> None:
@@ -107,12 +111,12 @@ class EngineSession:
         error = outcome.exception()
         if error is None:
             delivery = outcome.result()
-            self.send(message("finished", req=push.req, checksum=delivery.checksum,
-                              timings=delivery.timings))
+            self.send(local.Finished(req=push.req, checksum=delivery.checksum,
+                                     timings=delivery.timings))
         else:
             if not isinstance(error, KvwireError):
                 error = internal_error(error, "sender daemon")
-            self.send(message("failed", req=push.req, error=error.to_wire()))
+            self.send(Failed(req=push.req, error=error.to_wire()))
 
     async def _ask(self, req: str, peer: str, lease: int) -> None:
         """A request of a daemon before this one (it died or was restarted after
@@ -121,28 +125,28 @@ class EngineSession:
         try:
             answer = await self._ask_verdict(req, peer, lease)
         except KvwireError as exc:
-            self.send(message("failed", req=req, error=exc.to_wire()))
+            self.send(Failed(req=req, error=exc.to_wire()))
             return
         verdict = None if answer is None else verdicts.from_message(answer)
         if verdict is not None and verdict.delivered:
-            self.send(message("finished", req=req, checksum=verdict.checksum,
-                              timings={"late": 0.0, "asked_after_restart": 1.0}))
+            self.send(local.Finished(req=req, checksum=verdict.checksum,
+                                     timings={"late": 0.0, "asked_after_restart": 1.0}))
         elif verdict is not None and verdict.error is not None:
-            self.send(message("failed", req=req, error=verdict.error.to_wire()))
+            self.send(Failed(req=req, error=verdict.error.to_wire()))
         else:
-            self.send(message("failed", req=req, error=DaemonUnavailable(
+            self.send(Failed(req=req, error=DaemonUnavailable(
                 f"the sender daemon stopped while request {req} was in flight, and "
                 f"receiver {peer} " + ("has no record of it: it was not delivered"
                                        if answer is not None else "could not be asked"),
                 hint="push it again").to_wire()))
 
-    def _run(self, msg: Message) -> None:
-        req = msg["req"]
+    def _run(self, msg: local.Run) -> None:
+        req = msg.req
         if req in self.runs:
-            self.send(message("failed", req=req, error=DuplicateRequest(
+            self.send(Failed(req=req, error=DuplicateRequest(
                 f"experiment {req} is already running").to_wire()))
             return
-        task = spawn(self._run_experiment(req, msg["experiment"], msg["params"], self.send),
+        task = spawn(self._run_experiment(req, msg.experiment, msg.params, self.send),
                      f"run-{req}")
         self.runs[req] = task
         task.add_done_callback(lambda _: self.runs.pop(req, None))

@@ -16,7 +16,7 @@ import contextlib
 import ssl
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -37,7 +37,8 @@ from ..errors import (
 from ..layout import RequestShape
 from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
-from ..protocol import CONTROL_ANSWERS, Message, message
+from ..protocol import Error, Handlers, Message
+from ..protocol import control as ctl
 from ..rails import RailHealth
 from ..tasks import spawn
 from ..transport.base import DataChannel, Transport, Write
@@ -48,7 +49,16 @@ log = structlog.get_logger("kvwired.sender")
 
 # What to send the receiver when an answer arrives that nobody waits for any
 # more (a deadline fired, the engine left): the undo of what it granted.
-Undo = Callable[[Message], Message | None]
+# What to send back for an answer nobody waits for any more (a lease: its abort).
+Undo = Callable[[Any], Message | None]
+A = TypeVar("A", bound=Message)
+
+
+def _req_of(msg: Message) -> str:
+    """The request a message is about: every request and answer names one."""
+    req = getattr(msg, "req", None)
+    assert isinstance(req, str), f"{msg.kind!r} names no request"
+    return req
 
 RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
 # Failures of one data channel that its replacement can ride out: the wire
@@ -110,6 +120,7 @@ class PeerLink:
         # Requests to the receiver awaiting their answer, by request id.
         self._waiting: dict[str, tuple[asyncio.Future[Message], Undo | None]] = {}
         self._abandoned: dict[str, Undo] = {}
+        self._dispatch = self._handlers()
         self.holders: dict[int, LeaseHolder] = {}
         self.ever_connected = False
         self.machine = LinkMachine(name)
@@ -156,7 +167,7 @@ class PeerLink:
             elif action is LinkAction.FAIL_HOLDERS:
                 self._fail_holders(self._ending)
             elif action is LinkAction.SEND_BYE:
-                self.send(message("bye", reason=self._bye_reason))
+                self.send(ctl.Bye(reason=self._bye_reason))
             # OPEN_CONNECTION: ``ensure`` opens it, holding the lock.
 
     @property
@@ -291,10 +302,10 @@ class PeerLink:
         conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
         channels: list[DataChannel] = []
         try:
-            conn.send(message("hello", role="sender", name=cfg.name,
-                              transports=[self.transport.name]))
-            welcome = await self._expect(conn, "welcome")
-            self._check_identity(conn, str(welcome["name"]))
+            conn.send(ctl.Hello(role="sender", name=cfg.name,
+                                transports=[self.transport.name]))
+            welcome = await self._expect(conn, ctl.Welcome)
+            self._check_identity(conn, welcome.name)
             rails = [usable_rails[n % len(usable_rails)] if usable_rails else ""
                      for n in range(cfg.qps_per_peer)]
             for number, rail in enumerate(rails):
@@ -308,7 +319,7 @@ class PeerLink:
             raise
         self.conn = conn
         self.channels, self.rails = channels, rails
-        self._welcome_credits = int(welcome["credits"])
+        self._welcome_credits = welcome.credits
         self.credits = [self._welcome_credits] * len(channels)
         self.ledger.reset(len(channels))
         self._control_lost = False
@@ -374,9 +385,9 @@ class PeerLink:
         key is checked for zero bytes, and no receive is consumed)."""
         initiator = self.transport.initiator(conn.local_host, rail)
         try:
-            conn.send(message("connect", params=await initiator.offer()))
-            ready = await self._expect(conn, "ready")
-            channel = await initiator.complete(ready["params"])
+            conn.send(ctl.Connect(params=await initiator.offer()))
+            ready = await self._expect(conn, ctl.Ready)
+            channel = await initiator.complete(ready.params)
         except BaseException as exc:
             initiator.abandon()
             if (rail and isinstance(exc, TransportError)
@@ -416,7 +427,8 @@ class PeerLink:
     def _start_reading(self) -> None:
         assert self.conn is not None
         self.conn.start_pinging()
-        self.conn.serve(self._dispatch, self._connection_ended, f"link-{self.name}")
+        self.conn.serve(lambda msg: self._dispatch(None, msg), self._connection_ended,
+                        f"link-{self.name}")
         self.metrics.peers.inc()
         self._counted = True
 
@@ -479,10 +491,10 @@ class PeerLink:
         try:
             async with asyncio.timeout(self.config.connect_timeout):
                 params = await initiator.offer()
-                answer = await self.request(message(
-                    "replace", req=f"replace-{number}-{time.monotonic_ns()}",
-                    channel=number, params=params))
-                channel = await initiator.complete(answer["params"])
+                answer = await self.request(ctl.Replace(
+                    req=f"replace-{number}-{time.monotonic_ns()}", channel=number,
+                    params=params), ctl.Replaced)
+                channel = await initiator.complete(answer.params)
         except (KvwireError, TimeoutError) as exc:
             initiator.abandon()
             self.metrics.channel_replacements.labels(self.name, "failed").inc()
@@ -502,7 +514,7 @@ class PeerLink:
             return
         self.channels[number], self.rails[number] = channel, rail
         self._watch(number, channel)
-        keys = {int(lease): int(key) for lease, key in answer["keys"]}
+        keys = {int(lease): int(key) for lease, key in answer.keys}
         for lease, key in keys.items():
             if (held := self._keys.get(lease)) is not None:
                 held[number] = key
@@ -551,12 +563,13 @@ class PeerLink:
             # does not say which of several peers went away.
             self.failure = error.renamed(f"receiver {self.name}: {error.message}")
 
-    async def _expect(self, conn: ControlConnection, kind: str) -> Message:
+    async def _expect(self, conn: ControlConnection, kind: type[A]) -> A:
         msg = await conn.recv(self.config.connect_timeout)
-        if msg["t"] == "error":
-            raise from_wire(msg["error"])
-        if msg["t"] != kind:
-            raise ProtocolError(f"receiver {self.name} sent {msg['t']!r}, expected {kind!r}")
+        if isinstance(msg, Error):
+            raise from_wire(msg.error)
+        if not isinstance(msg, kind):
+            raise ProtocolError(
+                f"receiver {self.name} sent {msg.kind!r}, expected {kind.kind!r}")
         return msg
 
     def _connection_ended(self, conn: ControlConnection, error: KvwireError) -> None:
@@ -572,42 +585,55 @@ class PeerLink:
                 channel.fail(ending)
             self.lost(ending)
 
-    def _dispatch(self, msg: Message) -> None:
-        kind = msg["t"]
-        if kind == "credits":
-            channel = msg.get("channel", 0)
-            if channel >= len(self.credits):
-                raise ProtocolError(f"receiver {self.name} returned credits of data channel "
-                                    f"{channel}; this link has {len(self.credits)}")
-            self._add_credits(msg["n"], channel)
-        elif kind in ("delivered", "abort", "abort_ack"):
-            holder = self.holders.get(msg["lease"])
-            if holder is None:
-                return  # already ended on our side
-            if kind == "abort":
-                holder.fail(from_wire(msg["error"]), by_receiver=True)
-            elif kind == "abort_ack":
-                holder.abort_acked()
-            else:
-                holder.delivered(msg["checksum"])
-        elif kind == "bye":
-            raise PeerLost(f"receiver {self.name} is shutting down: {msg['reason']}",
-                           hint="the next request reconnects once it is back")
-        elif kind == "error":
-            raise PeerLost(f"receiver {self.name} reported: {msg['error'].get('message')}")
-        elif kind in CONTROL_ANSWERS:
-            self._answer(msg)
-        else:
-            raise ProtocolError(f"a receiver may not send {kind!r}")
+    def _handlers(self) -> Handlers[None]:
+        """What a receiver may send on a live link, by type."""
+        handlers = Handlers[None](f"receiver {self.name}")
+        handlers.on(ctl.Credits, self._credits_returned)
+        handlers.on(ctl.Delivered, self._delivered)
+        handlers.on(ctl.Abort, self._aborted_by_receiver)
+        handlers.on(ctl.AbortAck, self._abort_acked)
+        handlers.on(ctl.Bye, self._receiver_said_goodbye)
+        handlers.on(Error, self._receiver_reported)
+        for answer in ctl.ANSWERS:
+            handlers.on(answer, lambda _, msg: self._answer(msg))
+        return handlers
+
+    # A lease no holder has any more has already ended on our side.
+    def _delivered(self, _: None, msg: ctl.Delivered) -> None:
+        if (holder := self.holders.get(msg.lease)) is not None:
+            holder.delivered(msg.checksum)
+
+    def _aborted_by_receiver(self, _: None, msg: ctl.Abort) -> None:
+        if (holder := self.holders.get(msg.lease)) is not None:
+            holder.fail(from_wire(msg.error), by_receiver=True)
+
+    def _abort_acked(self, _: None, msg: ctl.AbortAck) -> None:
+        if (holder := self.holders.get(msg.lease)) is not None:
+            holder.abort_acked()
+
+    def _credits_returned(self, _: None, msg: ctl.Credits) -> None:
+        channel = msg.channel or 0
+        if channel >= len(self.credits):
+            raise ProtocolError(f"receiver {self.name} returned credits of data channel "
+                                f"{channel}; this link has {len(self.credits)}")
+        self._add_credits(msg.n, channel)
+
+    def _receiver_said_goodbye(self, _: None, msg: ctl.Bye) -> None:
+        raise PeerLost(f"receiver {self.name} is shutting down: {msg.reason}",
+                       hint="the next request reconnects once it is back")
+
+    def _receiver_reported(self, _: None, msg: Error) -> None:
+        raise PeerLost(f"receiver {self.name} reported: {msg.error.get('message')}")
 
     def _answer(self, msg: Message) -> None:
-        req = msg["req"]
+        req = _req_of(msg)
+        refused = msg if isinstance(msg, ctl.Refused) else None
         waiting = self._waiting.pop(req, None)
         if waiting is not None:
             future, undo = waiting
             if not future.done():
-                if msg["t"] == "refused":
-                    future.set_exception(from_wire(msg["error"]))
+                if refused is not None:
+                    future.set_exception(from_wire(refused.error))
                 else:
                     future.set_result(msg)
                 return
@@ -615,7 +641,7 @@ class PeerLink:
             # take the answer.
         else:
             undo = self._abandoned.pop(req, None)
-        if undo is not None and msg["t"] != "refused":
+        if undo is not None and refused is None:
             self._undo(undo, msg)
 
     def _undo(self, undo: Undo, answer: Message) -> None:
@@ -625,8 +651,10 @@ class PeerLink:
         if reply is not None:
             self.send(reply)
 
-    async def request(self, msg: Message, undo: Undo | None = None) -> Message:
-        """Send ``msg`` and wait for the receiver's answer to its ``req``.
+    async def request(self, msg: Message, answer: type[A],
+                      undo: Callable[[A], Message | None] | None = None) -> A:
+        """Send ``msg`` and wait for the receiver's answer to its ``req``, an
+        ``answer`` (a ``refused`` raises its error).
 
         If the caller stops waiting (deadline, cancellation) the answer is
         still taken when it comes, and ``undo`` says what to send back so
@@ -634,14 +662,14 @@ class PeerLink:
         """
         if self.conn is None:
             raise PeerLost(f"receiver {self.name} went away")
-        req = msg["req"]
+        req = _req_of(msg)
         if req in self._waiting:
             raise DuplicateRequest(f"request {req} is already being opened")
         future: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         self._waiting[req] = (future, undo)
         self.conn.send(msg)
         try:
-            return await future
+            result = await future
         except asyncio.CancelledError:
             # Three ways to be cancelled: before the answer (it will be undone
             # when it comes), after ``_answer`` took an answer for a waiter
@@ -656,18 +684,22 @@ class PeerLink:
         finally:
             if self._waiting.get(req, (None,))[0] is future:
                 del self._waiting[req]
+        if not isinstance(result, answer):
+            raise ProtocolError(f"receiver {self.name} answered {req} with {result.kind!r}, "
+                                f"expected {answer.kind!r}")
+        return result
 
-    async def open(self, req: str, shape: RequestShape, discard: bool = False) -> Message:
+    async def open(self, req: str, shape: RequestShape, discard: bool = False) -> ctl.Lease:
         """Lease a slot for ``req``: the receiver's ``lease`` answer."""
-        fields = {"discard": 1} if discard else {}
         return await self.request(
-            message("open", req=req, shape=shape.to_wire(), **fields),
-            undo=lambda lease: message("abort", req=lease["req"], lease=lease["lease"],
-                                       error=RequestAborted(
-                                           f"the sender stopped waiting for request "
-                                           f"{lease['req']}").to_wire()))
+            ctl.Open(req=req, shape=shape.to_wire(), discard=1 if discard else None),
+            ctl.Lease,
+            undo=lambda lease: ctl.Abort(req=lease.req, lease=lease.lease,
+                                         error=RequestAborted(
+                                             f"the sender stopped waiting for request "
+                                             f"{lease.req}").to_wire()))
 
-    async def verdict(self, req: str, lease: int, within: float) -> Message | None:
+    async def verdict(self, req: str, lease: int, within: float) -> ctl.Verdict | None:
         """How the receiver says lease ``lease`` of ``req`` ended (its ``verdict``),
         reconnecting as needed, within ``within`` seconds; None if it could not
         be asked (out of reach, or this link retired meanwhile)."""
@@ -676,7 +708,8 @@ class PeerLink:
                 while True:
                     try:
                         await self.ensure()
-                        return await self.request(message("ask", req=req, lease=lease))
+                        return await self.request(ctl.Ask(req=req, lease=lease),
+                                                  ctl.Verdict)
                     except KvwireError as exc:
                         if not self.machine.usable:
                             raise  # retired: removed, or the sender is stopping
@@ -697,7 +730,7 @@ class PeerLink:
         """Tell the receiver ``req`` will not come (refused here before its lease
         was asked for), so that a decode engine waiting for it fails now with
         ``error``. Best effort: a receiver out of reach has nobody to tell."""
-        notice = message("withdrawn", req=req, error=error.to_wire())
+        notice = ctl.Withdrawn(req=req, error=error.to_wire())
         if self.connected:
             self.send(notice)
             return

@@ -37,7 +37,7 @@ from ..layout import ChunkCursor, RequestShape
 from ..lifecycle.push import PushAction, PushEvent, PushMachine, PushState
 from ..metrics import Metrics
 from ..pool import Pool, Slot
-from ..protocol import message
+from ..protocol import control as ctl
 from ..tasks import spawn
 from ..transport.base import Write
 from .link import PeerLink, rail_label
@@ -227,20 +227,19 @@ class PushDriver:
         try:
             await link.ensure()
             lease = await link.open(req, shape, discard)
-            keys = lease["keys"]
+            keys = lease.keys
             if len(keys) != len(link.channels):
                 error = ProtocolError(
                     f"receiver {link.name} granted request {req} {len(keys)} keys for "
                     f"{len(link.channels)} data channels",
                     hint="run the same kvwire release on both ends")
-                link.send(message("abort", req=req, lease=lease["lease"],
-                                  error=error.to_wire()))
+                link.send(ctl.Abort(req=req, lease=lease.lease, error=error.to_wire()))
                 raise error
         except BaseException:
             self.staging.release(staging)
             self.update_pool_metrics()
             raise
-        return Push(req, link, shape, chunk_bytes, staging, lease["lease"], lease["offset"],
+        return Push(req, link, shape, chunk_bytes, staging, lease.lease, lease.offset,
                     keys, opened_at, time.monotonic(), self)
 
     # ----------------------------------------------------------- data path
@@ -403,10 +402,10 @@ class PushDriver:
                 self._drain(push)
         elif action is PushAction.SEND_ABORT:
             error = push.error or RequestAborted(f"request {push.req} was aborted")
-            link.send(message("abort", req=push.req, lease=push.lease, error=error.to_wire()))
+            link.send(ctl.Abort(req=push.req, lease=push.lease, error=error.to_wire()))
             self._bound_wait(push, "answer its abort")
         elif action is PushAction.SEND_ABORT_ACK:
-            link.send(message("abort_ack", req=push.req, lease=push.lease))
+            link.send(ctl.AbortAck(req=push.req, lease=push.lease))
         elif action is PushAction.REPORT_FINISHED:
             self._finish(push)
         elif action is PushAction.REPORT_FAILED:
