@@ -18,7 +18,7 @@ from .errors import AuthenticationFailed, KvwireError, PeerLost
 from .protocol import CONTROL, Message, error_message
 from .protocol.control import Ping, Pong
 from .stream import MessageStream
-from .tasks import spawn
+from .tasks import TaskSet
 from .trust import peer_name
 
 log = structlog.get_logger("kvwired.control")
@@ -38,6 +38,8 @@ class ControlConnection:
         self.stream = MessageStream(reader, writer, CONTROL)
         self.heartbeat = heartbeat
         self.label = label
+        # Its reader (``serve``) and its pinger: they end with the connection.
+        self.tasks = TaskSet(f"control connection to {label}")
         self._pinger: asyncio.Task[None] | None = None
         self.closed = False
 
@@ -113,7 +115,7 @@ class ControlConnection:
         """Read messages into ``dispatch`` in the background until the connection
         ends; then ``ended`` hears why. A ``KvwireError`` raised by ``dispatch``
         (a message the protocol forbids) ends it too, after an error frame."""
-        spawn(self.run(dispatch, ended), name)
+        self.tasks.spawn(self.run(dispatch, ended), name)
 
     async def run(self, dispatch: Callable[[Message], object],
                   ended: Callable[[ControlConnection, KvwireError], None]) -> None:
@@ -127,7 +129,7 @@ class ControlConnection:
             self.close()
 
     def start_pinging(self) -> None:
-        self._pinger = asyncio.create_task(self._ping_forever(), name=f"ping-{self.label}")
+        self._pinger = self.tasks.spawn(self._ping_forever(), f"ping-{self.label}")
 
     async def _ping_forever(self) -> None:
         while not self.closed:
@@ -147,4 +149,6 @@ class ControlConnection:
         self.closed = True
         if self._pinger is not None:
             self._pinger.cancel()
+        # The reader is not cancelled: it sees the stream end and says why
+        # (``ended``), as it does when the peer closes.
         self.stream.close()

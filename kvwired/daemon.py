@@ -26,13 +26,12 @@ from .localsock import ClientHandler, close_quietly, local_session, reject, serv
 from .metrics import LiveSample, Metrics
 from .protocol import Channel, Message
 from .systemd import Notifier
-from .tasks import spawn
+from .tasks import TaskSet
 from .trust import Trust
 
 log = structlog.get_logger("kvwired")
 
 STATUS_EVERY = 10.0  # seconds between STATUS= updates to systemd
-DRAIN_POLL = 0.05  # seconds between looks at what is still in flight while draining
 
 
 
@@ -59,6 +58,10 @@ class Daemon(ABC):
         self.trust: Trust | None = None
         self._load_trust()
         self.presence: Presence | None = None  # in the registry (discovery) or not
+        # What the daemon itself started (not a session's or a link's own).
+        self.tasks = TaskSet(self.role)
+        # Set whenever in-flight work may have ended: a drain waits on it.
+        self._work_ended = asyncio.Event()
 
     def _load_trust(self) -> None:
         """The credentials, before any port opens (``auth = "none"``: none, loudly)."""
@@ -79,7 +82,11 @@ class Daemon(ABC):
 
     @abstractmethod
     def in_flight(self) -> int:
-        """Requests a drain waits for."""
+        """Requests a drain waits for; each one's end calls ``work_ended``."""
+
+    def work_ended(self) -> None:
+        """A request counted by ``in_flight`` has ended: a drain looks again."""
+        self._work_ended.set()
 
     @abstractmethod
     def status_line(self) -> str: ...
@@ -111,7 +118,7 @@ class Daemon(ABC):
     def leave_registry(self) -> None:
         """A receiver's record goes as it stops taking senders (a drain)."""
         if self.presence is not None:
-            spawn(self.presence.leave(), "registry-leave")
+            self.tasks.spawn(self.presence.leave(), "registry-leave")
 
     def serve_metrics(self) -> None:
         self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
@@ -152,8 +159,11 @@ class Daemon(ABC):
         self.stop_accepting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.in_flight() and loop.time() < deadline:
-            await asyncio.sleep(DRAIN_POLL)
+        while self.in_flight() and (remaining := deadline - loop.time()) > 0:
+            self._work_ended.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):
+                    await self._work_ended.wait()
         left = self.in_flight()
         if left:
             log.warning("drain timed out", role=self.role, in_flight=left, timeout=timeout)
@@ -188,8 +198,8 @@ async def run(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None =
         notifier.notify("STATUS=failed to start")
         raise
     notifier.ready(daemon.status_line())
-    background = [spawn(notifier.keep_alive(), "watchdog"),
-                  spawn(_report_status(daemon, notifier), "status")]
+    background = [daemon.tasks.spawn(notifier.keep_alive(), "watchdog"),
+                  daemon.tasks.spawn(_report_status(daemon, notifier), "status")]
     await stop.wait()
     log.info("stopping", role=daemon.role, drain_timeout=config.drain_timeout)
     notifier.stopping(f"draining: up to {config.drain_timeout:g} s for requests in flight")

@@ -12,6 +12,12 @@ class that a module outside this one adds, and two classes cannot claim one
 code. Errors that mean "too late" or "the other side is gone" also subclass
 the matching built-ins (``TimeoutError``, ``ConnectionError``, as aiohttp's
 client exceptions do), so generic handlers treat them right.
+
+Each error says whether trying the same thing again can help (``retriable``,
+as aiokafka's do): a full pool, a lost peer or a missed deadline may pass; a
+wrong key, a bad config or a request larger than the pool will not. It
+crosses the wire beside ``status``, so an engine decides on the error as the
+daemon that raised it saw it.
 """
 
 from __future__ import annotations
@@ -31,9 +37,11 @@ class KvwireError(Exception):
 
     # What to do about it, when the raiser has nothing more specific to say.
     default_hint: ClassVar[str] = "the daemons' logs say more"
+    # Whether the same request, tried again, may succeed.
+    default_retriable: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, code: str = "", status: str = "", hint: str = "",
-                          **kwargs: Any) -> None:
+                          retriable: bool | None = None, **kwargs: Any) -> None:
         """``class PoolFull(RequestRefused, code="pool_full", hint=...)``: the wire
         code, and optionally the metrics status and the default hint, are part
         of the class statement."""
@@ -50,21 +58,27 @@ class KvwireError(Exception):
             cls.default_status = status
         if hint:
             cls.default_hint = hint
+        if retriable is not None:
+            cls.default_retriable = retriable
         _BY_CODE[code] = cls
 
-    def __init__(self, message: str, *, hint: str = "", status: str | None = None) -> None:
+    def __init__(self, message: str, *, hint: str = "", status: str | None = None,
+                 retriable: bool | None = None) -> None:
         self.message = message
         self.hint = hint or self.default_hint
         self.status = status or self.default_status
+        self.retriable = self.default_retriable if retriable is None else retriable
         super().__init__(f"{message} ({self.hint})" if self.hint else message)
 
-    def to_wire(self) -> dict[str, str]:
+    def to_wire(self) -> dict[str, Any]:
         return {"code": self.code, "message": self.message, "hint": self.hint,
-                "status": self.status}
+                "status": self.status, "retriable": self.retriable}
 
     def renamed(self, message: str) -> KvwireError:
-        """The same error (class, hint, status) with another message."""
-        return type(self)(message, hint=self.hint, status=self.status)
+        """The same error (class, hint, status, retriable) with another message."""
+        error = type(self)(message, hint=self.hint, status=self.status)
+        error.retriable = self.retriable
+        return error
 
 
 _BY_CODE[KvwireError.code] = KvwireError
@@ -90,8 +104,8 @@ class InvalidRequest(ProtocolError, code="invalid_request",
     pushes. Between daemons it is a protocol violation like any other."""
 
     def __init__(self, message: str, *, hint: str = "", status: str | None = None,
-                 req: str = "") -> None:
-        super().__init__(message, hint=hint, status=status)
+                 retriable: bool | None = None, req: str = "") -> None:
+        super().__init__(message, hint=hint, status=status, retriable=retriable)
         self.req = req
 
 
@@ -106,14 +120,14 @@ class VersionMismatch(ProtocolError, code="version",
     """The peer speaks another version of the protocol."""
 
 
-class TransportError(KvwireError, code="transport", status="transport_error",
+class TransportError(KvwireError, code="transport", status="transport_error", retriable=True,
                      hint="the data connection is torn down and rebuilt on the next "
                           "request; the daemons' logs say what failed"):
     """The data path failed: a write did not complete, a connection broke."""
 
 
 class RemoteAccessError(
-        TransportError, code="remote_access", status="remote_access",
+        TransportError, code="remote_access", status="remote_access", retriable=False,
         hint="a sender may write only into its own live leases, under each lease's key; "
              "the connection is torn down and rebuilt"):
     """A write outside every range the responder granted (or under a revoked key)."""
@@ -138,8 +152,8 @@ class RailFailed(TransportError, code="rail_failed", status="rail_failed",
     """A rail (one RDMA device) could not carry a data channel's probe."""
 
     def __init__(self, message: str, *, hint: str = "", status: str | None = None,
-                 rail: str = "") -> None:
-        super().__init__(message, hint=hint, status=status)
+                 retriable: bool | None = None, rail: str = "") -> None:
+        super().__init__(message, hint=hint, status=status, retriable=retriable)
         self.rail = rail
 
 
@@ -160,12 +174,12 @@ class UnknownPeer(KvwireError, code="unknown_peer",
     """No receiver of that name is configured on the sender."""
 
 
-class RequestRefused(KvwireError, code="refused",
+class RequestRefused(KvwireError, code="refused", retriable=True,
                      hint="the receiver's log says why; send it elsewhere or later"):
     """The receiver would not take a request (and said why)."""
 
 
-class RequestTooLarge(RequestRefused, code="too_large",
+class RequestTooLarge(RequestRefused, code="too_large", retriable=False,
                       hint="raise pool_size (or sender_quota) on the receiver, or send it "
                            "in parts"):
     """A request that the pool could never hold, however long it waited."""
@@ -177,12 +191,12 @@ class PoolFull(RequestRefused, code="pool_full",
     """No room in a pool before the wait ran out."""
 
 
-class DuplicateRequest(RequestRefused, code="duplicate",
+class DuplicateRequest(RequestRefused, code="duplicate", retriable=False,
                        hint="request ids must be unique until their request is released"):
     """A request id already in use where it must be unique."""
 
 
-class RequestAborted(KvwireError, code="aborted",
+class RequestAborted(KvwireError, code="aborted", retriable=True,
                      hint="push it again; the other side's log says who aborted it and why"):
     """A request was aborted by either side, or its deadline passed."""
 
@@ -198,7 +212,7 @@ class UsageError(KvwireError, code="usage",
     """A client used the API out of order (commit after finish, ...)."""
 
 
-class DaemonUnavailable(KvwireError, code="unavailable",
+class DaemonUnavailable(KvwireError, code="unavailable", retriable=True,
                         hint="is the daemon running (systemctl status kvwired-*), and is "
                              "this the socket in its config?"):
     """A local client could not reach its daemon."""
@@ -226,8 +240,12 @@ def from_wire(payload: Mapping[str, object]) -> KvwireError:
     """Rebuild an error sent by :meth:`KvwireError.to_wire`."""
     cls = _BY_CODE.get(str(payload.get("code", "error")), KvwireError)
     status = payload.get("status")
-    return cls(str(payload.get("message", "unknown error")), hint=str(payload.get("hint", "")),
-               status=str(status) if status else None)
+    retriable = payload.get("retriable")  # absent from an older end's: the class says
+    error = cls(str(payload.get("message", "unknown error")),
+                hint=str(payload.get("hint", "")), status=str(status) if status else None)
+    if isinstance(retriable, bool):
+        error.retriable = retriable
+    return error
 
 
 def registered() -> dict[str, type[KvwireError]]:

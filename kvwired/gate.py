@@ -21,7 +21,7 @@ from prometheus_client import Counter
 
 from .errors import AuthenticationFailed
 from .protocol import encode, error_message
-from .tasks import spawn
+from .tasks import TaskSet
 
 log = structlog.get_logger("kvwired.gate")
 
@@ -117,7 +117,10 @@ class Listener:
                  context: ssl.SSLContext | None) -> None:
         self.sock = sock
         self._handler, self._gate, self._context = handler, gate, context
-        self._task = spawn(self._accept_forever(), f"accept-{gate.channel}")
+        # The accept loop and each connection's task (its handshake, then its
+        # handler): a drain closes the port, and the connections go on.
+        self.tasks = TaskSet(f"{gate.channel} listener")
+        self._task = self.tasks.spawn(self._accept_forever(), f"accept-{gate.channel}")
 
     @property
     def port(self) -> int:
@@ -137,7 +140,7 @@ class Listener:
                 log.warning("accept failed", channel=self._gate.channel, error=str(exc))
                 await asyncio.sleep(0.1)
                 continue
-            spawn(self._admit(conn, f"{peer[0]}:{peer[1]}"), "handshake")
+            self.tasks.spawn(self._admit(conn, f"{peer[0]}:{peer[1]}"), "handshake")
 
     async def _admit(self, conn: socket.socket, address: str) -> None:
         gate = self._gate

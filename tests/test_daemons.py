@@ -486,3 +486,35 @@ async def test_an_engine_that_subscribes_and_lets_go_again_restarts_the_unclaime
         await decode.wait_delivered("passed-on", timeout=5)
         await decode.release("passed-on")
     assert waits[1].cancelled()  # freed: nothing is left to reclaim
+
+
+async def test_a_sender_gone_while_its_open_waits_for_room_leaves_nothing_running(
+        tmp_path: Path) -> None:
+    """The open waits for pool room (lease_wait 30 s); the sender leaves. The
+    session's task ends with it, now, and its quota and the pool are whole."""
+    local = await start_local(tmp_path, receiver={"lease_wait": 30.0})
+    try:
+        reader, writer = await _control(local)
+        writer.write(encode(message("hello", role="sender", name="rogue", transports=["tcp"])))
+        decoder = FrameDecoder(CONTROL)
+        assert (await _read_control(reader, decoder)).kind == "welcome"
+        writer.write(encode(message("connect", params={})))
+        assert (await _read_control(reader, decoder)).kind == "ready"
+        (session,) = [s for s in local.receiver.sessions if s.name == "rogue"]
+        pool = local.receiver.pool.size
+        writer.write(encode(message("open", req="hog", shape={"layers": 1,
+                                                               "layer_bytes": pool})))
+        writer.write(encode(message("open", req="waits", shape={"layers": 1,
+                                                                 "layer_bytes": 4096})))
+        await until(lambda: "hog" in local.receiver.by_req and len(session.tasks) == 1,
+                    what="the second open waiting for room")
+        writer.close()
+        await until(lambda: not session.alive and len(session.tasks) == 0,
+                    what="the session and its waiting open ended")
+        await until(lambda: local.receiver.pool.used_bytes == 0
+                    and not local.receiver.quotas.held.get("rogue"),
+                    what="the pool and the quota whole")
+        assert not local.receiver.by_req
+    finally:
+        await local.sender.stop()
+        await local.receiver.stop()

@@ -10,10 +10,23 @@ import pytest
 import kvctl
 import kvwired
 from kvwired.errors import (
+    AccessDenied,
+    AuthenticationFailed,
+    ChannelStalled,
+    ConfigError,
+    DaemonUnavailable,
     DeadlineExceeded,
+    DuplicateRequest,
     KvwireError,
     PeerLost,
+    PoolFull,
+    ProtocolError,
+    RemoteAccessError,
+    RequestAborted,
+    RequestTooLarge,
     TransportError,
+    UsageError,
+    VersionMismatch,
     from_wire,
     registered,
 )
@@ -61,6 +74,27 @@ def test_status_defaults_by_class_and_is_a_constructor_argument() -> None:
     renamed = TransportError("x", hint="h", status="remote_access").renamed("receiver d: x")
     assert (type(renamed), renamed.message, renamed.hint, renamed.status) == (
         TransportError, "receiver d: x", "h", "remote_access")
+
+
+@pytest.mark.parametrize("cls", EVERY_ERROR, ids=lambda cls: cls.__qualname__)
+def test_whether_retrying_can_help_crosses_the_wire(cls: type[KvwireError]) -> None:
+    assert from_wire(cls("x").to_wire()).retriable is cls.default_retriable
+    for said in (True, False):
+        assert from_wire(cls("x", retriable=said).to_wire()).retriable is said
+    # An older end's error map has no "retriable": the class says.
+    old = {k: v for k, v in cls("x", retriable=not cls.default_retriable).to_wire().items()
+           if k != "retriable"}
+    assert from_wire(old).retriable is cls.default_retriable
+
+
+def test_what_may_pass_is_retriable_and_what_will_not_is_not() -> None:
+    may_pass = (PoolFull, PeerLost, ChannelStalled, DeadlineExceeded, RequestAborted,
+                DaemonUnavailable, TransportError)
+    will_not = (RemoteAccessError, RequestTooLarge, DuplicateRequest, ConfigError,
+                ProtocolError, VersionMismatch, AuthenticationFailed, AccessDenied, UsageError)
+    assert all(cls("x").retriable for cls in may_pass)
+    assert not any(cls("x").retriable for cls in will_not)
+    assert TransportError("x", retriable=False).renamed("y").retriable is False
 
 
 def test_a_duplicate_code_is_refused_when_the_class_is_defined() -> None:

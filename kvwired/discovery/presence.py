@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from ..metrics import LiveSample
-from ..tasks import spawn
+from ..tasks import TaskSet
 from .address import RegistryAddress
 from .membership import Changes, Member, Membership, RecordCheck
 
@@ -27,6 +27,7 @@ class Presence(ABC):
 
         self.address = RegistryAddress.parse(url)
         self.link = RegistryLink(self.address)
+        self.tasks = TaskSet("registry")
         self._task: asyncio.Task[None] | None = None
 
     @abstractmethod
@@ -65,7 +66,7 @@ class Announcement(Presence):
         self._withdrawal: asyncio.Future[None] | None = None
 
     def start(self) -> None:
-        self._task = spawn(self.announcer.run(), "registry-announce")
+        self._task = self.tasks.spawn(self.announcer.run(), "registry-announce")
 
     async def leave(self) -> None:
         """Stop refreshing and take the record out: senders stop choosing us now.
@@ -92,7 +93,7 @@ class Subscription(Presence):
         self.watcher = Watcher(self.link, self.membership, on_change)
 
     def start(self) -> None:
-        self._task = spawn(self.watcher.run(), "registry-watch")
+        self._task = self.tasks.spawn(self.watcher.run(), "registry-watch")
 
     def samples(self) -> Iterator[LiveSample]:
         yield from super().samples()

@@ -35,7 +35,6 @@ from ..protocol import Message
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
 from ..rdma import pick_gid
-from ..tasks import spawn
 from ..units import format_size, parse_size
 from . import perftest, socket_loop
 from .host import PeerHandle, ReceiverHost, Report, SenderHost, SessionHandle
@@ -71,7 +70,7 @@ class BaselineService:
     def handle(self, session: SessionHandle, msg: Message) -> None:
         if isinstance(msg, ctl.Baseline):
             serve = self._serve_socket if msg.tool == SOCKET else self._serve_perftest
-            spawn(serve(session, msg), f"baseline-{msg.req}")
+            session.tasks.spawn(serve(session, msg), f"baseline-{msg.req}")
         elif isinstance(msg, ctl.BaselineStop):
             entry = self._servers.get(msg.req)
             if entry is not None and entry[0] is session:

@@ -33,7 +33,6 @@ from ..errors import ExperimentFailed, KvwireError, ProtocolError, TransportErro
 from ..pool import Slot
 from ..protocol import Handlers, Message
 from ..protocol import control as ctl
-from ..tasks import spawn
 from ..transport.base import DataChannel, Initiator, Responder, Transport, Write
 from .host import Connection, ReceiverHost, SessionHandle
 
@@ -121,9 +120,9 @@ class EchoService:
         self.echoes: dict[int, EchoLease] = {}
         self._owners: dict[int, SessionHandle] = {}
         handlers = self._handlers = Handlers[SessionHandle]("a sender")
-        handlers.on(ctl.EchoOpen, lambda session, msg: spawn(
+        handlers.on(ctl.EchoOpen, lambda session, msg: session.tasks.spawn(
             self._open(session, msg), f"echo-{msg.req}"))
-        handlers.on(ctl.EchoAnswer, lambda session, msg: spawn(
+        handlers.on(ctl.EchoAnswer, lambda session, msg: session.tasks.spawn(
             self._answer(session, msg), f"echo-answer-{msg.req}"))
         handlers.on(ctl.EchoClose, self._closed_by_sender)
 

@@ -17,6 +17,7 @@ from ..errors import KvwireError
 from ..layout import RequestShape
 from ..pool import Pool, Slot
 from ..protocol import Message
+from ..tasks import TaskSet
 from ..transport.base import DataChannel, Responder, Transport
 
 Report = Callable[[Message], None]
@@ -103,6 +104,8 @@ class SessionHandle(Protocol):
 
     name: str
     alive: bool
+    tasks: TaskSet  # what the session's messages started: cancelled when it ends
+
     @property
     def responder(self) -> Responder | None:
         """Grants the keys for the session's echo slots (None before the handshake)."""

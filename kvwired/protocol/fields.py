@@ -79,6 +79,8 @@ def _error(value: Any) -> str | None:
     for key in ("hint", "status"):
         if key in value and not isinstance(value[key], str):
             return f"{key!r} is not a string"
+    if "retriable" in value and not isinstance(value["retriable"], bool):
+        return "'retriable' is not a boolean"
     return None
 
 
@@ -131,7 +133,8 @@ CHANNEL = _f(int, required=False, check=_int_range(0, stripes.MAX_CHANNELS - 1),
              expected=f"a data channel in 0..{stripes.MAX_CHANNELS - 1}")
 SHAPE = _f(dict, check=_shape, expected="{layers: 1..1024, layer_bytes: 1..2^40}")
 DICT = _f(dict)
-ERROR = _f(dict, check=_error, expected="{code, message[, hint, status]} strings")
+ERROR_SHAPE = "{code, message[, hint, status]} strings[, retriable: a boolean]"
+ERROR = _f(dict, check=_error, expected=ERROR_SHAPE)
 NAMES = _f(list, check=_names, expected="a list of names")
 SECONDS = _f(float, int, required=False, check=_seconds,
              expected=f"seconds, finite, in (0, {MAX_SECONDS:g}]")
@@ -146,8 +149,7 @@ DATA_CHANNEL = _f(int, check=_int_range(0, stripes.MAX_CHANNELS - 1),
 LEASE_KEYS = _f(list, check=_lease_keys, expected="[lease, key] pairs")
 OPTIONAL_CHECKSUM = _f(int, required=False, check=_int_range(0, U64),
                        expected="an unsigned 64-bit checksum")
-OPTIONAL_ERROR = _f(dict, required=False, check=_error,
-                    expected="{code, message[, hint, status]} strings")
+OPTIONAL_ERROR = _f(dict, required=False, check=_error, expected=ERROR_SHAPE)
 OPTIONAL_U64 = _f(int, required=False, check=_int_range(0, U64))
 LIST = _f(list)
 OPTIONAL_LIST = _f(list, required=False)

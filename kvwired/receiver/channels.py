@@ -92,6 +92,9 @@ class DataChannels:
         responder = self._responder(session, channel)
         try:
             params = await responder.accept(msg.params)
+        except asyncio.CancelledError:
+            responder.close()  # the session ended first: nobody will use it
+            raise
         except KvwireError as exc:
             log.warning("data channel not replaced", sender=session.name, channel=channel,
                         error=str(exc))

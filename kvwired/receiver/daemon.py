@@ -37,7 +37,6 @@ from ..protocol import PROTOCOL_VERSION, RECEIVER_LOCAL, Error, Handlers, Messag
 from ..protocol import control as ctl
 from ..protocol import receiver_local as local
 from ..quota import SenderQuotas
-from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
 from ..units import format_size
 from .channels import DataChannels
@@ -98,7 +97,7 @@ class ReceiverDaemon(Daemon):
 
         self.engines = Engines(config, self.metrics)
         self.book = LeaseBook(config, self.metrics, lambda: self.pool, self.quotas,
-                              self.engines, lambda: not self.draining)
+                              self.engines, lambda: not self.draining, self.work_ended)
         self.engines.attach(self.book)
         self.landing = Landing(self.book, self.engines, self.metrics, lambda: self.pool)
         self.channels = DataChannels(config, self.metrics, self.transport, self.book,
@@ -107,14 +106,17 @@ class ReceiverDaemon(Daemon):
                                self.transport.name, self.channels, self.book,
                                self._dispatch, [s.session_closed for s in self.services])
         handlers = self._handlers = Handlers[SenderSession]("a sender")
-        handlers.on(ctl.Open, lambda s, m: spawn(self.book.open(s, m), f"open-{m.req}"))
-        handlers.on(ctl.Connect, lambda s, m: spawn(self.channels.add_more(s, m), "connect"))
-        handlers.on(ctl.Replace, lambda s, m: spawn(self.channels.replace(s, m),
-                                                    f"replace-{m.channel}"))
+        # Work a message starts belongs to its session (cancelled when it ends).
+        handlers.on(ctl.Open, lambda s, m: s.tasks.spawn(self.book.open(s, m),
+                                                         f"open-{m.req}"))
+        handlers.on(ctl.Connect, lambda s, m: s.tasks.spawn(self.channels.add_more(s, m),
+                                                            "connect"))
+        handlers.on(ctl.Replace, lambda s, m: s.tasks.spawn(self.channels.replace(s, m),
+                                                            f"replace-{m.channel}"))
         handlers.on(ctl.Abort, self.book.sender_abort)
         handlers.on(ctl.AbortAck, self.book.sender_ack)
-        handlers.on(ctl.Ask, lambda s, m: spawn(self.book.answer_ask(s, m.req, m.lease),
-                                                f"ask-{m.req}"))
+        handlers.on(ctl.Ask, lambda s, m: s.tasks.spawn(
+            self.book.answer_ask(s, m.req, m.lease), f"ask-{m.req}"))
         handlers.on(ctl.Withdrawn,
                     lambda s, m: self.book.withdrawn(s, m.req, from_wire(m.error)))
         handlers.on(ctl.Bye, self._said_goodbye)

@@ -19,7 +19,7 @@ from .. import checksum
 from ..lifecycle.lease import LeaseEvent, LeaseState
 from ..metrics import Metrics
 from ..pool import Pool
-from ..tasks import spawn
+from ..tasks import TaskSet
 from .leases import Lease, LeaseBook, LeaseWatchers
 from .session import SenderSession
 
@@ -41,9 +41,11 @@ class Landing:
         # hashed. Two threads, so that a request whose layers all land at once
         # (one write) is hashed in half the time.
         self._hasher = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="kvwire-hash")
+        self.tasks = TaskSet("landing")  # each request's last step: its checksum
 
     async def close(self) -> None:
         """No hash may still be reading the pool once it can be unmapped."""
+        await self.tasks.close()
         await asyncio.to_thread(self._hasher.shutdown)
 
     def on_immediate(self, session: SenderSession, channel: int, lease_id: int,
@@ -77,7 +79,7 @@ class Landing:
             len(landed) * lease.shape.layer_bytes)
         if lease.landed == lease.shape.layers:
             self.book.event(lease, LeaseEvent.ALL_LANDED)
-            spawn(self.complete(lease), f"complete-{lease.req}")
+            self.tasks.spawn(self.complete(lease), f"complete-{lease.req}")
 
     async def complete(self, lease: Lease) -> None:
         digests = await asyncio.gather(*lease.digests)

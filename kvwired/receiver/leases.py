@@ -130,13 +130,14 @@ class LeaseBook:
 
     def __init__(self, config: ReceiverConfig, metrics: Metrics, pool: Callable[[], Pool],
                  quotas: SenderQuotas, watchers: LeaseWatchers,
-                 accepting: Callable[[], bool]) -> None:
+                 accepting: Callable[[], bool], settled: Callable[[], None]) -> None:
         self.config = config
         self.metrics = metrics
         self._pool = pool
         self.quotas = quotas
         self.watchers = watchers
         self._accepting = accepting
+        self._settled = settled  # a lease stopped arriving (a drain waits for that)
         self.leases: dict[int, Lease] = {}
         self.by_req: dict[str, Lease] = {}
         self._lease_ids: set[int] = set()  # the request path's and the services'
@@ -184,6 +185,11 @@ class LeaseBook:
             return
         try:
             keys = await grant_keys(session, slot.offset, shape.total_bytes)
+        except asyncio.CancelledError:
+            # The session ended meanwhile (its responders are closed): the
+            # slot was never disclosed.
+            self.give_back(session.name, slot, shape.total_bytes)
+            raise
         except KvwireError as exc:
             self.give_back(session.name, slot, shape.total_bytes)
             if session.alive:
@@ -259,9 +265,12 @@ class LeaseBook:
     def event(self, lease: Lease, event: LeaseEvent) -> None:
         """Move ``lease``'s machine and carry out what it says."""
         before = lease.state
+        arriving = lease.machine.arriving
         undecided = lease.machine.outcome is Outcome.PENDING
         for action in lease.machine.apply(event):
             self._carry_out(lease, action)
+        if arriving and not lease.machine.arriving:
+            self._settled()
         if undecided and lease.machine.outcome is not Outcome.PENDING:
             self._decided(lease)
         if lease.state is LeaseState.FREED and before is not LeaseState.FREED:

@@ -171,6 +171,9 @@ class Senders:
         for closed in self.closed:
             closed(session)
         self.book.session_lost(session, error)
+        # Last: the services have stopped what they run for it (perftest
+        # servers, echo channels), and its leases have their outcomes.
+        session.tasks.cancel()
 
     def cut_off_unlisted(self) -> None:
         """After a reload: senders no longer listed lose their sessions now."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..control import ControlConnection
 from ..protocol.control import Credits
+from ..tasks import TaskSet
 from ..transport.base import Responder
 
 
@@ -27,6 +28,9 @@ class SenderSession:
     # Channels whose responder failed, each waiting (a timer, the stall bound)
     # for the sender to replace it before the whole session is dropped.
     broken: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
+    # What its messages started (opens, replacements, asks, services' work):
+    # cancelled when the session is dropped.
+    tasks: TaskSet = field(default_factory=lambda: TaskSet("sender session"))
 
     @property
     def responder(self) -> Responder | None:

@@ -13,6 +13,7 @@ coroutines; the daemon offers them its public surface (``push``,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
@@ -37,7 +38,6 @@ from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Failed, Messag
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
 from ..rdma import rail_gid
-from ..tasks import spawn
 from ..transport import Transport, TransportOptions, make_transport
 from ..units import format_size
 from .engines import EngineSession
@@ -55,7 +55,6 @@ Experiment = Callable[["SenderDaemon", str, dict[str, Any], Report],
 # A sender responds only to the echo channel of an experiment (kvctl run),
 # which has one ping in flight at a time.
 SENDER_RECEIVE_DEPTH = 16
-RETIRE_POLL = 0.05  # seconds between looks at a retired link's pushes
 
 
 class SenderDaemon(Daemon):
@@ -74,6 +73,7 @@ class SenderDaemon(Daemon):
         self.links = {name: self._new_link(name, addr) for name, addr in config.peers.items()}
         # [peers] as configured; with discovery, config.peers is these and the registry's.
         self.static_peers = dict(config.peers)
+        self._peers_changed = asyncio.Event()  # set each time the peer list changes
         self.subscription: Subscription | None = None
         self._staging: Pool | None = None
         self._driver: PushDriver | None = None
@@ -101,7 +101,7 @@ class SenderDaemon(Daemon):
         cfg = self.config
         self._staging = Pool(cfg.staging_size, "staging", "staging_size", full_hint=(
             "each push holds staging memory until delivered; raise staging_size"))
-        self._driver = PushDriver(cfg, self._staging, self.metrics)
+        self._driver = PushDriver(cfg, self._staging, self.metrics, self.work_ended)
         await self.transport.start(self._staging.memory)
         if self.transport.name == "verbs":
             for rail in cfg.rail_devices():
@@ -109,7 +109,7 @@ class SenderDaemon(Daemon):
         self.serve_metrics()
         await self.serve_local(self._serve_engine)
         for link in self.links.values():
-            spawn(link.keep_connected(), f"link-{link.name}")
+            self.tasks.spawn(link.keep_connected(), f"link-{link.name}")
         self.driver.update_pool_metrics()
         if cfg.discovery:
             from ..discovery.seal import checker
@@ -189,21 +189,22 @@ class SenderDaemon(Daemon):
                 continue
             del self.links[name]
             link.retire(why)
-            spawn(self._retire(link), f"retire-{name}")
+            self.tasks.spawn(self._retire(link), f"retire-{name}")
         for name, address in peers.items():
             if name not in self.links:
                 if name not in changes["changed"]:
                     changes["added"].append(name)
                 self.links[name] = self._new_link(name, address)
-                spawn(self.links[name].keep_connected(), f"link-{name}")
+                self.tasks.spawn(self.links[name].keep_connected(), f"link-{name}")
         self.config.peers = dict(peers)
         log.info("peer list reloaded", **changes, peers=sorted(self.links))
+        self._peers_changed.set()
+        self._peers_changed = asyncio.Event()
         return changes
 
     async def _retire(self, link: PeerLink) -> None:
         # Whatever already holds a lease on this link finishes; nothing new can reach it.
-        while link.holders:
-            await asyncio.sleep(RETIRE_POLL)
+        await link.unheld()
         link.finish_retiring()
         if link.name not in self.links:  # removed, not re-added under its name
             self.metrics.forget_peer(link.name)
@@ -277,7 +278,10 @@ class SenderDaemon(Daemon):
             except UnknownPeer:
                 if loop.time() >= until:
                     raise
-                await asyncio.sleep(min(1.0, self.config.heartbeat))
+                changed = self._peers_changed
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(until - loop.time()):
+                        await changed.wait()
         return await link.verdict(req, lease, max(0.0, until - loop.time()))
 
     def reserve_staging(self, length: int) -> Awaitable[Slot]:

@@ -25,7 +25,7 @@ from ..errors import (
 from ..protocol import Failed, Handlers, Message
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
-from ..tasks import spawn
+from ..tasks import TaskSet
 from .push import Delivery, Push
 
 log = structlog.get_logger("kvwired.sender")
@@ -51,11 +51,17 @@ class EngineSession:
         self.viewed: dict[str, Push] = {}
         self.runs: dict[str, asyncio.Task[None]] = {}
         self.gone = False
+        # Its opens and experiments (``runs``), and its asks. Opens are not
+        # cancelled when the engine leaves: one that ends after is aborted
+        # (see _open); experiments and asks are.
+        self.tasks = TaskSet("prefill engine")
+        self._asks = TaskSet("prefill engine's asks")
         handlers = self._handlers = Handlers[None]("a prefill engine")
-        handlers.on(local.Open, lambda _, msg: spawn(self._open(msg), f"open-{msg.req}"))
+        handlers.on(local.Open, lambda _, msg: self.tasks.spawn(self._open(msg),
+                                                                f"open-{msg.req}"))
         handlers.on(local.Run, lambda _, msg: self._run(msg))
-        handlers.on(local.Ask, lambda _, msg: spawn(self._ask(msg.req, msg.peer, msg.lease),
-                                                    f"ask-{msg.req}"))
+        handlers.on(local.Ask, lambda _, msg: self._asks.spawn(
+            self._ask(msg.req, msg.peer, msg.lease), f"ask-{msg.req}"))
         handlers.on(local.Dropped, lambda _, msg: self._dropped(msg.req))
         handlers.on(local.Commit, lambda _, msg: self._with_push(
             msg.req, lambda push: push.commit(msg.layer)))
@@ -146,7 +152,7 @@ class EngineSession:
             self.send(Failed(req=req, error=DuplicateRequest(
                 f"experiment {req} is already running").to_wire()))
             return
-        task = spawn(self._run_experiment(req, msg.experiment, msg.params, self.send),
+        task = self.tasks.spawn(self._run_experiment(req, msg.experiment, msg.params, self.send),
                      f"run-{req}")
         self.runs[req] = task
         task.add_done_callback(lambda _: self.runs.pop(req, None))
@@ -156,6 +162,7 @@ class EngineSession:
         self.gone = True
         for run in self.runs.values():
             run.cancel()
+        self._asks.cancel()
         for push in list(self.pushes.values()):
             push.abort(RequestAborted(
                 f"the prefill engine disconnected before request {push.req} was delivered"))

@@ -40,7 +40,7 @@ from ..metrics import Metrics
 from ..protocol import Error, Handlers, Message
 from ..protocol import control as ctl
 from ..rails import RailHealth
-from ..tasks import spawn
+from ..tasks import TaskSet
 from ..transport.base import DataChannel, Transport, Write
 from ..trust import Trust
 from .ledger import PostLedger
@@ -121,6 +121,10 @@ class PeerLink:
         self._waiting: dict[str, tuple[asyncio.Future[Message], Undo | None]] = {}
         self._abandoned: dict[str, Undo] = {}
         self._dispatch = self._handlers()
+        # Channel replacements and best-effort notices: they end with the link.
+        self.tasks = TaskSet(f"link {name}")
+        self._unheld = asyncio.Event()  # set while no lease is held on the link
+        self._unheld.set()
         self.holders: dict[int, LeaseHolder] = {}
         self.ever_connected = False
         self.machine = LinkMachine(name)
@@ -458,7 +462,7 @@ class PeerLink:
         if self._replaceable(number, channel, error) and number not in self._replacements:
             self.ledger.replacing.add(number)
             self.credits[number] = 0
-            self._replacements[number] = spawn(
+            self._replacements[number] = self.tasks.spawn(
                 self._replace(number, channel, error), f"replace-{self.name}-{number}")
 
     def _replaceable(self, number: int, channel: DataChannel, error: Exception) -> bool:
@@ -739,7 +743,7 @@ class PeerLink:
             with contextlib.suppress(KvwireError, TimeoutError):
                 await asyncio.wait_for(self.ensure(), self.config.connect_timeout)
                 self.send(notice)
-        spawn(when_connected(), f"withdraw-{req}")
+        self.tasks.spawn(when_connected(), f"withdraw-{req}")
 
     def credit_back(self) -> None:
         """An echo's answer: a credit of the first channel, which pings use."""
@@ -768,12 +772,19 @@ class PeerLink:
         """``holder`` holds ``lease``; ``keys`` (one per channel, changed in place
         when a channel is replaced and the receiver grants new ones)."""
         self.holders[lease] = holder
+        self._unheld.clear()
         if keys is not None:
             self._keys[lease] = keys
 
     def detach(self, lease: int) -> None:
         self.holders.pop(lease, None)
         self._keys.pop(lease, None)
+        if not self.holders:
+            self._unheld.set()
+
+    async def unheld(self) -> None:
+        """Wait until no lease is held on this link (a retiring link's last ends)."""
+        await self._unheld.wait()
 
     def lost(self, error: KvwireError) -> None:
         """The connection broke: fail everything in flight on it and forget it."""
@@ -822,6 +833,7 @@ class PeerLink:
         """The last lease on a retiring link ended: say bye and drop the connection."""
         if self.machine.can(LinkEvent.LAST_HOLDER_DONE):
             self._apply(LinkEvent.LAST_HOLDER_DONE)
+            self.tasks.cancel()
 
     def say_goodbye(self, reason: str) -> None:
         """Tell the receiver this connection ends on purpose, then drop it now."""

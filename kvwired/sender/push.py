@@ -38,7 +38,7 @@ from ..lifecycle.push import PushAction, PushEvent, PushMachine, PushState
 from ..metrics import Metrics
 from ..pool import Pool, Slot
 from ..protocol import control as ctl
-from ..tasks import spawn
+from ..tasks import TaskSet
 from ..transport.base import Write
 from .link import PeerLink, rail_label
 
@@ -153,10 +153,15 @@ class Delivery:
 class PushDriver:
     """Every push of one sender daemon, from open to its one outcome."""
 
-    def __init__(self, config: SenderConfig, staging: Pool, metrics: Metrics) -> None:
+    def __init__(self, config: SenderConfig, staging: Pool, metrics: Metrics,
+                 ended: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.staging = staging
         self.metrics = metrics
+        self._on_ended = ended  # a push's outcome is known (a drain waits for that)
+        # Each push's posting, draining and asking (a push's own task is
+        # cancelled when it ends; see _ended).
+        self.tasks = TaskSet("pushes")
         self.pushes: dict[str, Push] = {}  # until their outcome is known
         self.holding: set[Push] = set()  # until their staging is back
 
@@ -197,7 +202,7 @@ class PushDriver:
                 max(0.0, push.deadline - time.monotonic()), push.abort,
                 DeadlineExceeded(f"request {req} missed its {deadline:g} s deadline",
                                  hint="raise the deadline, or push less at once")))
-        push.task = spawn(self._post(push), f"push-{req}")
+        push.task = self.tasks.spawn(self._post(push), f"push-{req}")
         return push
 
     def _check(self, req: str, shape: RequestShape, chunk_bytes: int) -> None:
@@ -389,7 +394,7 @@ class PushDriver:
                     push.link.check_progress(heartbeat)
             if push.machine.can(PushEvent.POSTS_DONE):
                 push.event(PushEvent.POSTS_DONE)
-        spawn(drained(), f"drain-{push.req}")
+        self.tasks.spawn(drained(), f"drain-{push.req}")
 
     # ------------------------------------------------------------- actions
 
@@ -414,7 +419,7 @@ class PushDriver:
             # The push leaves the link's holders: the ask decides it now,
             # whatever becomes of the connection it was posted on.
             link.detach(push.lease)
-            spawn(self._ask_verdict(push), f"ask-{push.req}")
+            self.tasks.spawn(self._ask_verdict(push), f"ask-{push.req}")
         elif action is PushAction.RELEASE_STAGING:
             self.holding.discard(push)
             self.staging.release(push.staging)
@@ -465,6 +470,7 @@ class PushDriver:
         if push.task is not None and push.task is not asyncio.current_task():
             push.task.cancel()
         self.update_pool_metrics()
+        self._on_ended()
 
     def _finish(self, push: Push) -> None:
         self._ended(push)
