@@ -8,17 +8,27 @@ import json
 import signal
 import sys
 import uuid
+from typing import Any
 
+from kvwired.addresses import RECEIVER_METRICS_PORT, SENDER_METRICS_PORT
 from kvwired.client import (
     RECEIVER_SOCKET_VARIABLE,
     SENDER_SOCKET_VARIABLE,
     ReceiverClient,
     SenderClient,
 )
-from kvwired.errors import KvwireError
+from kvwired.errors import KvwireError, UsageError
 from kvwired.layout import DTYPE_BYTES, KVLayout, RequestShape
 
 from . import table
+
+# What kvwire's ctl extra installs: kvctl's experiments, plots, lab, demos and
+# proxy need them; the daemons and kvctl's node commands (status, keys, probe,
+# cluster) do not, so a node that runs only a daemon installs none.
+CTL_EXTRA = frozenset({"numpy", "safetensors", "rich", "matplotlib", "aiohttp"})
+
+# Both daemons' Prometheus endpoints on this host, as the shipped configs have them.
+DEFAULT_METRICS = [f"127.0.0.1:{RECEIVER_METRICS_PORT}", f"127.0.0.1:{SENDER_METRICS_PORT}"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,14 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     consume.add_argument("--json", action="store_true", help="one JSON object per request")
 
     status = commands.add_parser("status", help="health and key figures of daemons")
-    status.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
+    status.add_argument("urls", nargs="*", default=DEFAULT_METRICS,
                         help="metrics endpoints (host:port or URL); default: the local "
                         "receiver's and sender's")
     status.add_argument("--json", action="store_true")
 
     metrics = commands.add_parser("metrics", help="key figures of both daemons per peer "
                                   "(rates, latency quantiles, credits, errors); --watch: live")
-    metrics.add_argument("urls", nargs="*", default=["127.0.0.1:9471", "127.0.0.1:9472"],
+    metrics.add_argument("urls", nargs="*", default=DEFAULT_METRICS,
                          help="metrics endpoints; default: the local receiver and sender")
     metrics.add_argument("--watch", action="store_true", help="redraw until Ctrl-C")
     metrics.add_argument("--interval", type=float, default=2.0,
@@ -89,7 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     from .netns_session import add_parser as add_netns_parser
     from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
-    from .vllm.proxy import add_parser as add_proxy_parser
 
     add_run_parsers(commands)
     add_probe_parser(commands)
@@ -97,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_keys_parser(commands)
     add_netns_parser(commands)
     add_cluster_parser(commands)
-    add_proxy_parser(commands)
+    _add_proxy_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns", "vllm"],
@@ -121,70 +130,94 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
 
 
+def _add_proxy_parser(commands: Any) -> None:
+    try:
+        from .vllm.proxy import add_parser
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in CTL_EXTRA:
+            raise
+        # Listed all the same: running it says what to install.
+        commands.add_parser("proxy", help="an OpenAI endpoint in front of disaggregated "
+                                          "vLLM servers (needs kvwire[ctl])")
+        return
+    add_parser(commands)
+
+
 def main(argv: list[str] | None = None) -> int:
     # A shell's background job starts its children with SIGINT ignored; a
     # command that stops on Ctrl-C (metrics --watch, consume) must still.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "push":
-            return asyncio.run(_push(args))
-        if args.command == "status":
-            return _status(args)
-        if args.command == "consume":
-            return asyncio.run(_consume(args))
-        if args.command == "metrics":
-            return _metrics(args)
-        if args.command == "run":
-            from .run.cli import run_main
-
-            return run_main(args)
-        if args.command == "probe":
-            from .probe import main as probe_main
-
-            return probe_main(args)
-        if args.command == "keys":
-            from .keys import main as keys_main
-
-            return keys_main(args)
-        if args.command == "lab":
-            from .lab.cli import main as lab_main
-
-            return lab_main(args)
-        if args.command == "cluster":
-            from .cluster import main as cluster_main
-
-            return cluster_main(args)
-        if args.command == "proxy":
-            from .vllm.proxy import main as proxy_main
-
-            return proxy_main(args)
-        if args.command == "netns":
-            from .netns_session import main as netns_main
-
-            return netns_main(args)
-        if args.command == "demo":
-            if args.where == "lab":
-                from .lab.demo import lab_demo
-
-                lab_demo()
-                return 0
-            if args.where == "vllm":
-                from .vllm.demo import vllm_demo
-
-                vllm_demo()
-                return 0
-            from .netns_demo import netns_demo
-
-            asyncio.run(netns_demo(args.repeat))
-            return 0
+        return _run(args)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in CTL_EXTRA:
+            raise
+        error: KvwireError = UsageError(
+            f"this command needs {exc.name}, which comes with kvwire's ctl extra",
+            hint="pip install 'kvwire[ctl]' (a node that only runs a daemon needs none of it)")
     except KvwireError as exc:
-        print(f"kvctl {args.command}: error: {exc.message}", file=sys.stderr)
-        if exc.hint:
-            print(f"  what to do: {exc.hint}", file=sys.stderr)
-        return 2
+        error = exc
     except KeyboardInterrupt:
         return 130
+    print(f"kvctl {args.command}: error: {error.message}", file=sys.stderr)
+    if error.hint:
+        print(f"  what to do: {error.hint}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "push":
+        return asyncio.run(_push(args))
+    if args.command == "status":
+        return _status(args)
+    if args.command == "consume":
+        return asyncio.run(_consume(args))
+    if args.command == "metrics":
+        return _metrics(args)
+    if args.command == "run":
+        from .run.cli import run_main
+
+        return run_main(args)
+    if args.command == "probe":
+        from .probe import main as probe_main
+
+        return probe_main(args)
+    if args.command == "keys":
+        from .keys import main as keys_main
+
+        return keys_main(args)
+    if args.command == "lab":
+        from .lab.cli import main as lab_main
+
+        return lab_main(args)
+    if args.command == "cluster":
+        from .cluster import main as cluster_main
+
+        return cluster_main(args)
+    if args.command == "proxy":
+        from .vllm.proxy import main as proxy_main
+
+        return proxy_main(args)
+    if args.command == "netns":
+        from .netns_session import main as netns_main
+
+        return netns_main(args)
+    if args.command == "demo":
+        if args.where == "lab":
+            from .lab.demo import lab_demo
+
+            lab_demo()
+            return 0
+        if args.where == "vllm":
+            from .vllm.demo import vllm_demo
+
+            vllm_demo()
+            return 0
+        from .netns_demo import netns_demo
+
+        asyncio.run(netns_demo(args.repeat))
+        return 0
     return 1
 
 

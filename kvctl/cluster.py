@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Any
 
+from kvwired.addresses import SENDER_METRICS_PORT
 from kvwired.discovery.address import RegistryAddress
 from kvwired.discovery.membership import BadMemberRecord, Member
 from kvwired.errors import DaemonUnavailable
@@ -26,7 +27,7 @@ def add_parser(commands: Any) -> None:
         "and whether the local sender is connected to them")
     cluster.add_argument("discovery", help="the registry, as in the daemons' config: "
                          "etcd://HOST:PORT/CLUSTER")
-    cluster.add_argument("--sender-metrics", default="127.0.0.1:9472",
+    cluster.add_argument("--sender-metrics", default=f"127.0.0.1:{SENDER_METRICS_PORT}",
                          help="the local sender's metrics endpoint, for the sender column "
                          "(default: %(default)s)")
     cluster.add_argument("--json", action="store_true")

@@ -22,6 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvwired.addresses import (
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DATA_PORT,
+    RECEIVER_METRICS_PORT,
+    SENDER_METRICS_PORT,
+)
 from kvwired.errors import KvwireError
 from kvwired.localsock import accepts
 
@@ -206,10 +212,10 @@ def receiver_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[st
     """A receiver in the decode namespace, with credentials of ``workdir``'s cluster."""
     return with_credentials({
         "name": "decode",
-        "listen": f"{pair.decode.address}:7471",
-        "data_port": 7472,
+        "listen": f"{pair.decode.address}:{DEFAULT_CONTROL_PORT}",
+        "data_port": DEFAULT_DATA_PORT,
         "socket": str(workdir / "receiver.sock"),
-        "metrics": f"{pair.decode.address}:9471",
+        "metrics": f"{pair.decode.address}:{RECEIVER_METRICS_PORT}",
         **overrides,
     }, "receiver", workdir / "tls")
 
@@ -219,8 +225,8 @@ def sender_config(pair: NetnsPair, workdir: Path, **overrides: Any) -> dict[str,
     return with_credentials({
         "name": "prefill",
         "socket": str(workdir / "sender.sock"),
-        "metrics": f"{pair.prefill.address}:9472",
-        "peers": {"decode": f"{pair.decode.address}:7471"},
+        "metrics": f"{pair.prefill.address}:{SENDER_METRICS_PORT}",
+        "peers": {"decode": f"{pair.decode.address}:{DEFAULT_CONTROL_PORT}"},
         **overrides,
     }, "sender", workdir / "tls")
 

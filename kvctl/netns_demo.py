@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvwired import analysis
+from kvwired.addresses import RECEIVER_METRICS_PORT, SENDER_METRICS_PORT
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import GRANULARITIES, KVLayout
 from kvwired.units import format_size
@@ -91,8 +92,8 @@ async def netns_demo(repeat: int = 3, out: TextIO = sys.stdout,
               f"soonest at the decode side: {soonest.req} "
               f"({(soonest.first_layer_seconds or 0) * 1e3:.2f} ms)\n", file=out)
         statuses = []
-        for host, url in ((pair.prefill, f"{pair.prefill.address}:9472"),
-                          (pair.decode, f"{pair.decode.address}:9471")):
+        for host, url in ((pair.prefill, f"{pair.prefill.address}:{SENDER_METRICS_PORT}"),
+                          (pair.decode, f"{pair.decode.address}:{RECEIVER_METRICS_PORT}")):
             # Each daemon's metrics live in its own namespace: ask from inside it.
             result = subprocess.run(
                 pair.argv(host, [sys.executable, "-m", "kvctl", "status", "--json", url]),

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvwired.config import ReceiverConfig, SenderConfig, build, parse_address
+from kvwired.addresses import control_address
+from kvwired.config import ReceiverConfig, SenderConfig, build
 from kvwired.errors import KvwireError
 from kvwired.rdma import MEMLOCK_SLACK, ROCE_V2, SYSFS, GidEntry, devices, gid_table, pick_gid
 from kvwired.units import format_size
@@ -183,7 +184,7 @@ def device_info(name: str, root: Path = SYSFS, net: Path = NET) -> DeviceInfo:
 
 def route_source(address: str) -> str:
     """The local address the kernel would use to reach ``address``."""
-    host, port = parse_address(address, 7471)
+    host, port = control_address(address)
     family = socket.AF_INET6 if ipaddress.ip_address(socket.gethostbyname(host)).version == 6 \
         else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as sock:

@@ -6,7 +6,7 @@ step (every layer of their blocks is written during this step's forward
 pass), and the loads whose blocks were just allocated.
 
 No vLLM import: requests are read through the few attributes used here, so
-the planning is tested with the daemons' suite (tests/test_vllm_planning.py).
+the planning is tested with the daemons' suite (tests/unit/test_vllm_planning.py).
 """
 
 from __future__ import annotations

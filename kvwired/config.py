@@ -9,13 +9,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import stripes
+from .addresses import (
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DATA_PORT,
+    RECEIVER_METRICS_PORT,
+    SENDER_METRICS_PORT,
+    control_address,
+    parse_address,
+)
 from .discovery.address import RegistryAddress
 from .errors import ConfigError
 from .layout import resolve_chunk_bytes
@@ -25,28 +32,6 @@ from .units import parse_size
 
 def _opt(default: Any, help: str, kind: str = "") -> Any:
     return field(default=default, metadata={"help": help, "kind": kind})
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for a listener started next)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def parse_address(text: str, default_port: int) -> tuple[str, int]:
-    """"host:port", "host" or ":port" (IPv6 in brackets) -> (host, port)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or "]" in port:
-        host, port = text, str(default_port)
-    host = host.strip("[]") or "0.0.0.0"
-    try:
-        number = int(port)
-    except ValueError:
-        raise ConfigError(f"cannot read {text!r} as host:port") from None
-    if not 0 <= number <= 65535:
-        raise ConfigError(f"port {number} in {text!r} is outside 0..65535")
-    return host, number
 
 
 @dataclass
@@ -67,7 +52,8 @@ class CommonConfig:
         "this timer, so a lossy Soft-RoCE wire wants 12 (17 ms); hardware recovers them "
         "at once and keeps 14 or more")
     metrics: str = _opt(
-        "127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: disabled)"
+        f"127.0.0.1:{RECEIVER_METRICS_PORT}",
+        "host:port of the Prometheus endpoint (port 0: disabled)"
     )
     heartbeat: float = _opt(
         1.0, "seconds between control-connection pings; 4 missed pings drop the peer, and "
@@ -93,11 +79,12 @@ class CommonConfig:
 @dataclass
 class ReceiverConfig(CommonConfig):
     name: str = _opt("decode", "name of this node, shown to peers and in metrics")
-    listen: str = _opt("0.0.0.0:7471", "host:port of the control listener for senders")
+    listen: str = _opt(f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
+                       "host:port of the control listener for senders")
     advertise: str = _opt(
         "", "with discovery: HOST:PORT senders dial for this receiver (default: listen, "
         "which must then name an address, not 0.0.0.0)")
-    data_port: int = _opt(7472, "TCP transport: port of the data listener (0: any)")
+    data_port: int = _opt(DEFAULT_DATA_PORT, "TCP transport: port of the data listener (0: any)")
     socket: str = _opt("/run/kvwire/receiver.sock", "unix socket for decode engines")
     pool_size: int = _opt(256 << 20, "receive pool size (e.g. 256MiB)", "size")
     lease_wait: float = _opt(
@@ -115,7 +102,8 @@ class ReceiverConfig(CommonConfig):
     sender_quota: str = _opt(
         "100%", "the most of the pool one sender may hold at once: a share (50%) or a size "
         "(128MiB); over it, that sender's requests wait and then get pool full")
-    metrics: str = _opt("127.0.0.1:9471", "host:port of the Prometheus endpoint (port 0: off)")
+    metrics: str = _opt(f"127.0.0.1:{RECEIVER_METRICS_PORT}",
+                        "host:port of the Prometheus endpoint (port 0: off)")
 
     def __post_init__(self) -> None:
         if self.senders is None:
@@ -124,7 +112,7 @@ class ReceiverConfig(CommonConfig):
     def advertised_control(self, bound_port: int = 0) -> str:
         """HOST:PORT the registry tells senders to dial for this receiver
         (``bound_port``: the port the control listener got, for ``listen`` port 0)."""
-        host, port = parse_address(self.advertise or self.listen, 7471)
+        host, port = control_address(self.advertise or self.listen)
         if not self.advertise and bound_port:
             port = bound_port
         if host in ("", "0.0.0.0", "::"):
@@ -167,7 +155,8 @@ class SenderConfig(CommonConfig):
     peers: dict[str, str] = _opt(
         None, "receivers by name: NAME=HOST:PORT (repeat the flag for more)", "peers"
     )
-    metrics: str = _opt("127.0.0.1:9472", "host:port of the Prometheus endpoint (port 0: off)")
+    metrics: str = _opt(f"127.0.0.1:{SENDER_METRICS_PORT}",
+                        "host:port of the Prometheus endpoint (port 0: off)")
     qps_per_peer: int = _opt(
         1, "data channels (RC queue pairs, or TCP streams) to each receiver; a push's "
         "chunks are striped over them")
@@ -311,7 +300,7 @@ def _check(config: CommonConfig) -> None:
         RegistryAddress.parse(config.discovery)
     if isinstance(config, ReceiverConfig):
         config.quota_bytes()
-        parse_address(config.listen, 7471)
+        control_address(config.listen)
         if config.credits < 1:
             raise ConfigError("credits must be at least 1")
         if not config.unclaimed_ttl > 0:
@@ -337,6 +326,6 @@ def _check(config: CommonConfig) -> None:
                 f"qps_per_peer {config.qps_per_peer} is outside 1..{stripes.MAX_CHANNELS}",
                 hint="1 (the default) for one queue pair per receiver; more stripe each push")
         for name, address in config.peers.items():
-            parse_address(address, 7471)
+            control_address(address)
             if not name:
                 raise ConfigError("a peer needs a name")

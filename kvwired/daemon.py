@@ -19,7 +19,8 @@ from typing import ClassVar, Protocol
 
 import structlog
 
-from .config import CommonConfig, parse_address
+from .addresses import parse_address
+from .config import CommonConfig
 from .discovery.presence import Presence
 from .errors import KvwireError
 from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix

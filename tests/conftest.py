@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from kvwired.sender import SenderDaemon
 from kvwired.trust import Trust
 
 from .leftovers import MARK, reap_leftovers
+from .waiting import until as until  # the tests' one wait, re-exported
 
 # Property tests judge inputs, not speed: hypothesis's default 200 ms deadline
 # per example failed a validator's test on a 2-core host busy with a demo.
@@ -130,12 +131,3 @@ def lab() -> Iterator[LabState]:
     subprocess.run([sys.executable, "-m", "kvctl", "lab", "down"], capture_output=True)
 
 
-async def until(condition: Callable[[], bool], timeout: float = 10.0,
-                what: str = "condition") -> float:
-    """Wait for ``condition`` (polling, never a fixed sleep); the seconds it took."""
-    loop = asyncio.get_running_loop()
-    started = loop.time()
-    while not condition():
-        assert loop.time() - started < timeout, f"{what} not reached within {timeout:g} s"
-        await asyncio.sleep(0.01)
-    return loop.time() - started

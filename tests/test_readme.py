@@ -70,7 +70,7 @@ def blocks_of(kind: str) -> list[Block]:
 # Where each shell session runs, by its first command.
 SESSIONS = {
     "make demo": "make-dry-run",       # CI runs `make test` itself; `make demo` takes 15 min
-    "make demo-vllm": "make-dry-run",  # tests/test_vllm_e2e.py runs its parts
+    "make demo-vllm": "make-dry-run",  # tests/netns/test_vllm_e2e.py runs its parts
     "kvctl lab up": "host-lab",        # boots its own lab
     "kvctl netns up": "host-netns",    # with the Python blocks beside it
     "make install ROLE=receiver": "lab-node",  # a lab node is a real node, its /etc its own

@@ -14,7 +14,7 @@ from typing import Any
 from kvwired.layout import RequestShape
 
 from ..netns import HarnessError, check_can_run
-from ..run.progress import PhaseProgress
+from ..progress import PhaseProgress
 from . import report
 from .campaign import Campaign, ScenarioResult
 from .deployment import Deployment, NetnsDeployment

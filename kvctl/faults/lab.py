@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvwired.addresses import DEFAULT_DATA_PORT
+
 from ..lab.daemons import ServiceDaemon, receiver_config, sender_config
 from ..lab.machine import SHARED_DIR, LabError, LabState, exec_in, run_in
 from ..status import scrape
@@ -230,7 +232,7 @@ class LabDeployment:
             return code, err
 
         if cut:
-            port = self.daemons["receiver"].config.get("data_port", 7472)
+            port = self.daemons["receiver"].config.get("data_port", DEFAULT_DATA_PORT)
             drop_inbound(run, ["udp dport 4791", f"tcp dport {port}"])
         else:
             undo_drop_inbound(run)

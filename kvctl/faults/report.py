@@ -83,7 +83,7 @@ def write(results: list[ScenarioResult], out_dir: Path,
 
 
 def _plot(results: list[ScenarioResult], path: Path) -> Path:
-    from ..run.plots import figure, save
+    from ..plots import figure, save
 
     fig, ax = figure(10, 5)
     names = [r.name for r in results]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvwired.addresses import DEFAULT_CONTROL_PORT, RECEIVER_METRICS_PORT, SENDER_METRICS_PORT
+
 from .. import table
 from . import machine
 
@@ -61,6 +63,8 @@ def _print_nodes(state: machine.LabState, health: dict[str, str]) -> None:
                      f"127.0.0.1:{ports['agent']}", f"127.0.0.1:{ports['control']}",
                      f"127.0.0.1:{ports['metrics_receiver']}",
                      f"127.0.0.1:{ports['metrics_sender']}"])
-    print(table.render(["node", "state", "wire addresses", "agent", "control :7471",
-                        "receiver metrics :9471", "sender metrics :9472"], rows))
+    print(table.render(["node", "state", "wire addresses", "agent",
+                        f"control :{DEFAULT_CONTROL_PORT}",
+                        f"receiver metrics :{RECEIVER_METRICS_PORT}",
+                        f"sender metrics :{SENDER_METRICS_PORT}"], rows))
     print(f"consoles: {machine.STATE_DIR}/<node>.console")

@@ -13,6 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvwired.addresses import (
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DATA_PORT,
+    RECEIVER_METRICS_PORT,
+    SENDER_METRICS_PORT,
+)
+
 from ..keys import with_credentials
 from ..netns import write_toml
 from .machine import SHARED_DIR, LabError, LabState, run_in
@@ -48,16 +55,19 @@ TLS_ROOT = SHARED_DIR / "tls"
 
 def receiver_config(name: str = "decode", **overrides: Any) -> dict[str, Any]:
     return with_credentials(
-        {"name": name, "listen": f"{DECODE_ADDRESS}:7471", "data_port": 7472,
-         "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9471",
+        {"name": name, "listen": f"{DECODE_ADDRESS}:{DEFAULT_CONTROL_PORT}",
+         "data_port": DEFAULT_DATA_PORT, "socket": f"/run/kvwire/{name}.sock",
+         "metrics": f"0.0.0.0:{RECEIVER_METRICS_PORT}",
          "log_format": "json", **EMULATED_NODE_SLACK, **overrides}, "receiver", TLS_ROOT)
 
 
 def sender_config(name: str = "prefill", peers: dict[str, str] | None = None,
                   **overrides: Any) -> dict[str, Any]:
     return with_credentials(
-        {"name": name, "socket": f"/run/kvwire/{name}.sock", "metrics": "0.0.0.0:9472",
-         "peers": peers or {"decode": f"{DECODE_ADDRESS}:7471"}, "log_format": "json",
+        {"name": name, "socket": f"/run/kvwire/{name}.sock",
+         "metrics": f"0.0.0.0:{SENDER_METRICS_PORT}",
+         "peers": peers or {"decode": f"{DECODE_ADDRESS}:{DEFAULT_CONTROL_PORT}"},
+         "log_format": "json",
          "connect_timeout": EMULATED_CONNECT_TIMEOUT, **EMULATED_NODE_SLACK, **overrides},
         "sender", TLS_ROOT)
 

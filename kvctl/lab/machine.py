@@ -29,7 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvwired.config import free_port
+from kvwired.addresses import (
+    DEFAULT_CONTROL_PORT,
+    RECEIVER_METRICS_PORT,
+    SENDER_METRICS_PORT,
+    free_port,
+)
 from kvwired.errors import KvwireError
 
 from ..processes import alive
@@ -51,8 +56,8 @@ RMEM_DEFAULT = Path("/proc/sys/net/core/rmem_default")
 AGENT_PORT = 7400
 # Guest ports forwarded to host loopback: the agent, then what an operator
 # or Prometheus would reach on a real node.
-FORWARDED = {"agent": AGENT_PORT, "control": 7471, "metrics_receiver": 9471,
-             "metrics_sender": 9472}
+FORWARDED = {"agent": AGENT_PORT, "control": DEFAULT_CONTROL_PORT,
+             "metrics_receiver": RECEIVER_METRICS_PORT, "metrics_sender": SENDER_METRICS_PORT}
 
 
 class LabError(KvwireError, code="lab",

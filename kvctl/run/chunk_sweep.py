@@ -14,9 +14,9 @@ from kvwired.protocol import Message
 from kvwired.protocol import sender_local as prefill_api
 from kvwired.units import format_size
 
-from .. import table
-from . import plots, results
-from .progress import PhaseProgress
+from .. import plots, table
+from ..progress import PhaseProgress
+from . import results
 
 # Sizes the closing summary quotes ratios at: a token of a layer, a token,
 # a layer of the reference cache.

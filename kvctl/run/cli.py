@@ -13,8 +13,6 @@ from kvwired.client import SENDER_SOCKET_VARIABLE, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.units import parse_seconds, parse_size
 
-from .progress import PhaseProgress
-
 
 def add_parsers(commands: Any) -> None:
     run = commands.add_parser("run", help="run an experiment in the daemons")
@@ -130,6 +128,8 @@ async def _chunk_sweep(args: argparse.Namespace) -> int:
         "iters": args.iters, "latency_bytes": args.latency_bytes,
         "stream_bytes": args.stream_bytes, "deliver": not args.no_deliver,
         "baseline": args.baseline or ""}
+    from ..progress import PhaseProgress  # rich: the ctl extra
+
     progress = PhaseProgress(enabled=not args.quiet)
     run = await chunk_sweep.run_sweep(args.socket, params, progress)
     return _finish(args, run.document(), chunk_sweep.render(run),
@@ -150,6 +150,8 @@ async def _overlap(args: argparse.Namespace) -> int:
         peer=peer, ratios=tuple(args.ratios or overlap.DEFAULT_RATIOS), layers=args.layers,
         layer_bytes=args.layer_bytes, repeats=args.repeats, chunk=args.chunk,
         layer_compute=args.layer_compute, buffers=args.buffers)
+    from ..progress import PhaseProgress  # rich: the ctl extra
+
     progress = PhaseProgress(enabled=not args.quiet)
     run = await overlap.run_overlap(args.socket, params, progress)
     return _finish(args, run.document(), overlap.render(run),

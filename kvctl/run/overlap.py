@@ -39,9 +39,9 @@ from kvwired.errors import KvwireError, UsageError
 from kvwired.layout import RequestShape
 from kvwired.units import format_size
 
-from .. import table
-from . import plots, results
-from .progress import PhaseProgress
+from .. import plots, table
+from ..progress import PhaseProgress
+from . import results
 
 DEFAULT_RATIOS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from .. import analysis, immediate
-from ..config import free_port, parse_address
+from ..addresses import control_address, free_port
 from ..errors import ConfigError, ExperimentFailed, KvwireError, UsageError
 from ..protocol import Message
 from ..protocol import control as ctl
@@ -154,7 +154,7 @@ async def served(link: PeerHandle, req: str, tool: str, size: int,
         ctl.Baseline(req=req, tool=tool, size=size, iters=iters), ctl.BaselineReady,
         undo=lambda answer: ctl.BaselineStop(req=answer.req))
     try:
-        yield parse_address(link.address, 7471)[0], ready.port
+        yield control_address(link.address)[0], ready.port
     finally:
         link.send(ctl.BaselineStop(req=req))
 

@@ -25,7 +25,8 @@ from typing import Protocol
 import structlog
 
 from .. import gate, immediate
-from ..config import CommonConfig, ReceiverConfig, parse_address
+from ..addresses import control_address
+from ..config import CommonConfig, ReceiverConfig
 from ..daemon import Daemon
 from ..discovery.membership import Member
 from ..errors import ConfigError, PeerLost, from_wire
@@ -85,7 +86,7 @@ class ReceiverDaemon(Daemon):
             name=config.transport, rdma_device=config.rdma_device,
             gid_index=config.gid_index, poll_spin_us=config.poll_spin_us,
             ack_timeout=config.ack_timeout,
-            receive_depth=config.credits, listen_host=parse_address(config.listen, 7471)[0],
+            receive_depth=config.credits, listen_host=control_address(config.listen)[0],
             data_port=config.data_port, listen_at_start=True, per_lease_keys=True,
             door=Gate("data", self.metrics.auth_failures, config.handshake_timeout)))
         self._sealed: tuple[Member, Member] | None = None  # (as described, as signed)
@@ -160,7 +161,7 @@ class ReceiverDaemon(Daemon):
         self._pool = Pool(cfg.pool_size, "receive", full_hint=(
             "decode engines must release delivered requests; or raise pool_size"))
         await self.transport.start(self.pool.memory)
-        host, port = parse_address(cfg.listen, 7471)
+        host, port = control_address(cfg.listen)
         try:
             control = await gate.serve(host, port, self.senders.serve, self._gate,
                                        self.trust.server if self.trust is not None else None)

@@ -20,7 +20,8 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from ..config import SenderConfig, parse_address
+from ..addresses import control_address
+from ..config import SenderConfig
 from ..control import MISSED_PINGS, ControlConnection
 from ..errors import (
     AuthenticationFailed,
@@ -301,7 +302,7 @@ class PeerLink:
 
     async def _connect_on(self, usable_rails: list[str]) -> None:
         cfg = self.config
-        host, port = parse_address(self.address, 7471)
+        host, port = control_address(self.address)
         reader, writer = await self._dial(host, port)
         conn = ControlConnection(reader, writer, cfg.heartbeat, f"receiver {self.name}")
         channels: list[DataChannel] = []

@@ -37,6 +37,8 @@ from kvctl.status import DaemonStatus
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import RequestShape
 
+from ..waiting import until
+
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
 
@@ -147,11 +149,13 @@ def _log_events(daemon: DaemonProcess, event: str) -> set[str]:
 async def _until_status(pair: NetnsPair, host: Host, port: int,
                         condition: Callable[[DaemonStatus], bool], what: str,
                         timeout: float = 30.0) -> DaemonStatus:
-    deadline = time.monotonic() + timeout
-    while not condition(status := scrape_in(pair, host, port)):
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout:g} s"
-        await asyncio.sleep(0.2)
-    return status
+    seen: list[DaemonStatus] = []
+
+    def holds() -> bool:
+        seen.append(scrape_in(pair, host, port))
+        return condition(seen[-1])
+    await until(holds, timeout, what, every=0.2)
+    return seen[-1]
 
 
 async def _let_release(pair: NetnsPair, decode: subprocess.Popen[str]) -> None:

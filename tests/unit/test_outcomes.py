@@ -20,7 +20,7 @@ from kvwired.client import Delivered, ReceiverClient, SenderClient
 from kvwired.errors import DeadlineExceeded, RequestAborted
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 SHAPE = RequestShape(4, 256 << 10)  # 1 MiB
 

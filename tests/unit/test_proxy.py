@@ -1,6 +1,6 @@
 """``kvctl proxy`` without vLLM: its choices, and what a client hears when the
 request is bad or the servers are down (the user's path through real vLLM
-servers is in tests/test_vllm_e2e.py)."""
+servers is in tests/netns/test_vllm_e2e.py)."""
 
 from __future__ import annotations
 

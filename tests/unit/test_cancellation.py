@@ -23,7 +23,7 @@ from kvwired.errors import InvalidRequest, KvwireError, UsageError
 from kvwired.layout import RequestShape
 from kvwired.protocol import Failed, Message, message
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 SHAPE = RequestShape(8, 512 << 10)  # 4 MiB: long enough for a wait to be cut short
 OPS = ("wait_for_zero", "wait_for_short", "cancel_waiter", "abort", "layer", "yield")

@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,8 @@ from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess, start_
 from kvwire_vllm.model import make_model
 from kvwire_vllm.params import new_transfer_id
 from kvwired.client import SyncReceiverClient, SyncSenderClient
+
+from ..waiting import wait_until
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
@@ -205,7 +207,7 @@ def test_a_byte_flipped_between_the_daemons_is_refused_and_the_prompt_recomputed
         sys.executable, "-m", "tests.flip_relay", "--listen", "17472",
         "--to", f"{decode_host.address}:7472", "--min-bytes", "4096"]),
         stdout=relay_log.open("w"), stderr=subprocess.STDOUT,
-        cwd=Path(__file__).resolve().parent.parent)
+        cwd=Path(__file__).resolve().parents[2])
     try:
         for command in (table,
                         ["nft", "add", "chain", "ip", "kvwflip", "pre",
@@ -420,13 +422,5 @@ def _load(pair: NetnsPair, url: str, prompts: list[list[int]],
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    wait_until(condition, timeout, what, ignoring=(OSError,))

@@ -24,11 +24,13 @@ import yaml
 
 from kvctl.keys import with_credentials
 from kvctl.netns import write_toml
+from kvwired.addresses import free_port
 from kvwired.client import SenderClient
-from kvwired.config import free_port
 from kvwired.errors import KvwireError
 
-ROOT = Path(__file__).resolve().parents[1]
+from ..waiting import wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy/prometheus/kvwire-rules.yml"
 DASHBOARD = ROOT / "deploy/grafana/kvwire-dashboard.json"
 # The receiver is killed and restarted, and a request is refused.
@@ -66,16 +68,14 @@ class Process:
                 self.proc.kill()
 
 
+def _answers(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2):
+        return True
+
+
 def _wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    wait_until(lambda: _answers(url), timeout, f"{url} answering", every=0.2,
+               ignoring=(OSError,))
 
 
 def _query(port: int, expr: str) -> list[dict[str, Any]]:
@@ -154,22 +154,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _wait_scraped(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        up = _query(port, 'up{job=~"kvwire-.*"} == 1')
-        peers = _query(port, 'kvwire_requests_total{job="kvwire-receiver"}')
-        if len(up) == 2 and peers:
-            return
-        assert time.monotonic() < deadline, "Prometheus never scraped both daemons"
-        time.sleep(0.5)
+    wait_until(lambda: len(_query(port, 'up{job=~"kvwire-.*"} == 1')) == 2
+               and bool(_query(port, 'kvwire_requests_total{job="kvwire-receiver"}')),
+               timeout, "Prometheus scraping both daemons", every=0.5)
 
 
 def _eventually(check: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    """Poll ``check`` (a Prometheus query, say) until it holds: never a fixed sleep."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g} s"
-        time.sleep(0.2)
+    wait_until(check, timeout, what, every=0.2)
 
 
 def _value(port: int, expr: str) -> float:

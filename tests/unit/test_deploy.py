@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNITS = ("kvwired-receiver.service", "kvwired-sender.service")
 
 
@@ -78,3 +78,38 @@ def test_units_notify_watchdog_memlock_and_harden_without_hiding_verbs(name: str
     assert "char-infiniband_verbs rw" in (ROOT / "deploy/systemd" / name).read_text()
     # Stopping waits for the drain (drain_timeout, 10 s by default) and more.
     assert int(service["TimeoutStopSec"]) > 10
+
+
+# Modules only kvctl's experiments, lab, demos and proxy import (the ctl extra).
+BLOCK_CTL = """
+import importlib.abc, sys
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Blocker())
+"""
+
+
+def test_a_daemon_node_needs_none_of_the_ctl_extra() -> None:
+    import tomllib
+
+    from kvctl.cli import CTL_EXTRA
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    base = {dep.split(">")[0].split("=")[0] for dep in project["dependencies"]}
+    ctl = {dep.split(">")[0] for dep in project["optional-dependencies"]["ctl"]}
+    assert ctl == CTL_EXTRA and not base & CTL_EXTRA
+    # Without them, the daemons start and kvctl's node commands parse; a
+    # command that needs them says what to install.
+    script = BLOCK_CTL.format(blocked=set(CTL_EXTRA)) + """
+import kvwired.cli, kvwired.receiver, kvwired.sender
+from kvctl.cli import build_parser, main
+build_parser().parse_args(["status"])
+sys.exit(main(["run", "chunk-sweep", "--socket", "/nonexistent.sock"]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "comes with kvwire's ctl extra" in done.stderr
+    assert "pip install 'kvwire[ctl]'" in done.stderr

@@ -22,6 +22,8 @@ import pytest
 from kvctl.lab.daemons import DECODE_ADDRESS, NodeDaemon, receiver_config, sender_config
 from kvctl.lab.machine import SHARED_DIR, LabState, run_in
 
+from ..waiting import wait_until
+
 pytestmark = pytest.mark.lab
 
 # An error that must come "not as a hang" comes within this; generous, as the
@@ -301,12 +303,11 @@ def _netem(d: Daemons, wire: str, rule: str | None) -> None:
 
 def _wait_for_log(daemon: NodeDaemon, pattern: str, since: int, timeout: float) -> float:
     """Seconds until ``pattern`` shows in the daemon's log after its first ``since`` chars."""
-    started = time.monotonic()
-    while pattern not in daemon.log_text()[since:]:
-        assert time.monotonic() - started < timeout, \
-            f"{pattern!r} not in the log within {timeout:g} s:\n{daemon.log_text()[-3000:]}"
-        time.sleep(0.2)
-    return time.monotonic() - started
+    try:
+        return wait_until(lambda: pattern in daemon.log_text()[since:], timeout,
+                          f"{pattern!r} in the log", every=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{daemon.log_text()[-3000:]}") from None
 
 
 @pytest.mark.parametrize("daemons", ["verbs"], indirect=True)

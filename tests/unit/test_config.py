@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from kvwired.addresses import DEFAULT_CONTROL_PORT, parse_address
 from kvwired.cli import build_parser
-from kvwired.config import ReceiverConfig, SenderConfig, load, parse_address
+from kvwired.config import ReceiverConfig, SenderConfig, load
 from kvwired.errors import ConfigError
 from kvwired.units import format_size, parse_size
 
@@ -24,7 +25,7 @@ def test_sizes() -> None:
 
 def test_addresses() -> None:
     assert parse_address("10.0.0.2:7000", 1) == ("10.0.0.2", 7000)
-    assert parse_address("decode", 7471) == ("decode", 7471)
+    assert parse_address("decode", DEFAULT_CONTROL_PORT) == ("decode", 7471)
     assert parse_address("[::1]:9", 1) == ("::1", 9)
     with pytest.raises(ConfigError):
         parse_address("host:99999", 1)
@@ -93,7 +94,7 @@ def test_help_documents_every_key(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_shipped_example_configs_load() -> None:
-    root = Path(__file__).resolve().parent.parent / "deploy" / "config"
+    root = Path(__file__).resolve().parents[2] / "deploy" / "config"
     receiver = load(ReceiverConfig, path=str(root / "receiver.toml"))
     sender = load(SenderConfig, path=str(root / "sender.toml"))
     assert receiver.pool_size == 256 << 20

@@ -26,7 +26,7 @@ from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.receiver import MAX_PEER_LABELS
 from kvwired.trust import Trust
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 
 def _refusals(local: LocalDaemons, reason: str, channel: str = "control") -> float:

@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvctl.progress import PhaseProgress
 from kvctl.run import chunk_sweep
-from kvctl.run.progress import PhaseProgress
 from kvwired.client import SenderClient
 from kvwired.errors import KvwireError, UsageError
 from kvwired.experiments import socket_loop
 from kvwired.experiments.baseline import SOCKET_LOOP_MAX_BYTES, LoopParams
 from kvwired.protocol import CONTROL, FrameDecoder, Message, RawMessage, encode, message
 
-from .conftest import LocalDaemons, until
+from ..conftest import LocalDaemons, until
 
 
 async def test_the_loop_times_every_round_and_the_receiver_counts_them() -> None:

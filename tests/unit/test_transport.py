@@ -23,7 +23,7 @@ from kvwired.rdma import ROCE_V2, gid_table, rdma_available
 from kvwired.transport import TransportOptions, make_transport
 from kvwired.transport.base import DataChannel, Responder, Transport, Write
 
-from .conftest import until
+from ..conftest import until
 
 SIZE = 8 << 20
 

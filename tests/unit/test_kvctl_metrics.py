@@ -20,7 +20,7 @@ from kvctl import metrics
 from kvwired.client import SenderClient
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 
 def test_bucket_quantile_interpolates_like_prometheus() -> None:

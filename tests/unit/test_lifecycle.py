@@ -20,8 +20,8 @@ import pytest
 
 from kvctl.keys import with_credentials
 from kvctl.netns import write_toml
+from kvwired.addresses import free_port
 from kvwired.client import SenderClient
-from kvwired.config import free_port
 from kvwired.errors import RequestRefused, UnknownPeer
 from kvwired.layout import RequestShape
 from kvwired.systemd import Notifier

@@ -18,7 +18,7 @@ from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
-from .conftest import LocalDaemons, until
+from ..conftest import LocalDaemons, until
 
 VICTIM = os.urandom(4 << 20)
 

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("kvwired", "kvctl", "kvwire_vllm")
 
 # Bottom to top. A module may import its own layer and those its layer names.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate",
+    "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate", "kvwired.addresses",
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis",
              "kvwired.stripes", "kvwired.rails"),
     "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.protocol.*",
@@ -63,6 +63,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 # kvctl talks to the daemons through their sockets and the client library; of
 # kvwired it may use only what a user of the package may.
 KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.units",
+                    "kvwired.addresses",
                     "kvwired.layout", "kvwired.checksum", "kvwired.analysis", "kvwired.config",
                     "kvwired.rdma",
                     "kvwired.protocol", "kvwired.protocol.framing", "kvwired.protocol.fields",
@@ -117,7 +118,7 @@ def layer_of(name: str) -> str:
     for layer, patterns in LAYERS.items():
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
             return layer
-    raise AssertionError(f"{name} is in no layer: place it in tests/test_layering.py "
+    raise AssertionError(f"{name} is in no layer: place it in tests/unit/test_layering.py "
                          "and in docs/DESIGN.md")
 
 
@@ -138,7 +139,7 @@ def test_a_daemons_parts_import_only_the_parts_below_them(package: str) -> None:
     order = PARTS[package]
     inside = {m for m in MODULES if m.startswith(f"{package}.")}
     assert {m.removeprefix(f"{package}.") for m in inside} == set(order), \
-        f"place every module of {package} in PARTS (tests/test_layering.py)"
+        f"place every module of {package} in PARTS (tests/unit/test_layering.py)"
     for name in sorted(inside):
         rank = order.index(name.removeprefix(f"{package}."))
         for imported in sorted(imports_of(name) & inside):
@@ -190,9 +191,41 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def test_no_cycles_between_subpackages() -> None:
+    """Modules may not form a cycle, and neither may the packages they sit in:
+    kvctl's run/ and faults/ once imported each other through modules that
+    did not (a shared part belongs below both)."""
+    def package(name: str) -> str:
+        parts = name.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or MODULES[name].name == "__init__.py" \
+            else parts[0]
+
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        mine = package(name)
+        graph.setdefault(mine, set()).update(
+            theirs for m in imports_of(name) if (theirs := package(m)) != mine
+            and not theirs.startswith(f"{mine}.") and not mine.startswith(f"{theirs}."))
+    for name in list(graph):
+        graph[name] = {m for m in graph[name] if m in graph}
+    assert not _cycles(graph), f"package cycles: {_cycles(graph)}"
+
+
 def test_the_rule_catches_a_daemon_importing_an_experiment() -> None:
     # The check itself is tested: the old layout's cycle would fail it.
     graph = {"kvwired.sender": {"kvwired.experiments.chunk_sweep"},
              "kvwired.experiments.chunk_sweep": {"kvwired.sender"}}
     assert _cycles(graph) == [["kvwired.experiments.chunk_sweep", "kvwired.sender"]]
     assert "experiments" not in MAY_IMPORT[layer_of("kvwired.sender.daemon")]
+
+
+def test_each_test_file_sits_with_what_it_needs() -> None:
+    """tests/unit needs nothing but this machine, tests/netns root and namespaces,
+    tests/lab the QEMU lab: a file's markers say which, and so does its place."""
+    needs = {"unit": set(), "netns": {"netns"}, "lab": {"lab"}}
+    for group, marks in needs.items():
+        for path in sorted((ROOT / "tests" / group).glob("test_*.py")):
+            text = path.read_text()
+            found = {mark for mark in ("netns", "lab") if f"pytest.mark.{mark}" in text}
+            assert found == marks, f"{path.name} is marked {found or 'for nothing'}, " \
+                                   f"but sits in tests/{group}"

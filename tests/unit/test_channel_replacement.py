@@ -23,7 +23,7 @@ from kvwired.layout import RequestShape
 from kvwired.sender.link import PeerLink
 from kvwired.transport.base import DataChannel, Write
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 LAYERS, LAYER_BYTES = 12, 256 << 10
 

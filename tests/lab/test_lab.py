@@ -72,9 +72,9 @@ for name in ("rxe0", "rxe1"):
 
 
 def test_the_transport_suite_passes_over_rdma_rxe_in_a_node(lab: LabState) -> None:
-    # tests/test_transport.py, the suite the tcp transport passes here, run
+    # tests/unit/test_transport.py, the suite the tcp transport passes here, run
     # over verbs where rdma_rxe is: both ends on the decode node's rxe0.
-    suite = Path(__file__).with_name("test_transport.py")
+    suite = Path(__file__).parents[1] / "unit" / "test_transport.py"
     code, out, err = run_in("decode", [sys.executable, "-m", "pytest", str(suite), "-k", "verbs",
                                        "-q", "-p", "no:cacheprovider"], state=lab)
     assert code == 0, out + err

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.progress import PhaseProgress
 from kvctl.run import chunk_sweep, overlap
-from kvctl.run.progress import PhaseProgress
 from kvwired import analysis
 from kvwired.client import SenderClient
 from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
 from kvwired.layout import RequestShape
 
-from .conftest import LocalDaemons, until
+from ..conftest import LocalDaemons, until
 
 SIZES = [512, 8192, 65536]
 FAST = {"sizes": SIZES, "iters": 40, "stream_bytes": "1MiB", "deliver": True}

@@ -20,7 +20,7 @@ from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
 from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 # ------------------------------------------------------------------ the cut
 

@@ -30,7 +30,7 @@ from kvwired.errors import (
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, Error, FrameDecoder, Message, encode, message
 
-from .conftest import LocalDaemons, start_local, until
+from ..conftest import LocalDaemons, start_local, until
 
 
 async def _control(local: LocalDaemons, name: str = "rogue"

@@ -12,6 +12,8 @@ import pytest
 from kvctl.lab.daemons import ServiceDaemon, receiver_config, sender_config
 from kvctl.lab.machine import LabState, run_in
 
+from ..waiting import wait_until
+
 pytestmark = pytest.mark.lab
 
 
@@ -47,11 +49,10 @@ def _wait_active(daemon: ServiceDaemon, old_pid: int, timeout: float = 120) -> i
 
 
 def _wait_for_log(daemon: ServiceDaemon, line: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while line not in daemon.log_text():
-        assert time.monotonic() < deadline, (
-            f"{line!r} not logged by {daemon.unit} within {timeout} s:\n{daemon.log_tail()}")
-        time.sleep(0.5)
+    try:
+        wait_until(lambda: line in daemon.log_text(), timeout, f"{line!r} logged", every=0.5)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} by {daemon.unit}:\n{daemon.log_tail()}") from None
 
 
 def test_systemd_is_pid_1_and_the_units_verify(lab: LabState,

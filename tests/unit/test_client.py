@@ -20,7 +20,7 @@ from kvwired.layout import RequestShape
 from kvwired.protocol import SENDER_LOCAL, Failed, Message
 from kvwired.protocol import sender_local as prefill_api
 
-from .conftest import LocalDaemons
+from ..conftest import LocalDaemons
 
 
 def _client() -> tuple[SenderClient, list[Message]]:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ from kvwired.client import Delivered, ReceiverClient, SenderClient
 from kvwired.discovery.address import RegistryAddress
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
+
+from ..waiting import until
 
 _why_not = check_can_run() or (None if shutil.which("etcd") else
                                "etcd is missing (apt-get install etcd-server)")
@@ -122,15 +124,6 @@ class Fleet:
 
     def log_has(self, daemon: DaemonProcess, text: str) -> bool:
         return text in daemon.log_path.read_text()
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> float:
-    """Wait for ``condition`` (polled, never a fixed sleep); the seconds it took."""
-    started = time.monotonic()
-    while not await condition():
-        assert time.monotonic() - started < timeout, f"{what}: not within {timeout:g} s"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - started
 
 
 @pytest.fixture

@@ -1,0 +1,1 @@
+"""Tests that need the two-node QEMU lab with rdma_rxe (one boot, shared)."""
