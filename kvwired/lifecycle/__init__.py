@@ -1,7 +1,8 @@
 """Request lifecycles as explicit, I/O-free state machines.
 
-One machine per thing that lives: a push at the sender (``push``), a lease
-at the receiver (``lease``). Each is an enum of states and one transition
+One machine per thing that lives: a push at the sender (``push``) and its
+staging (``staging``), a lease at the receiver (``lease``), its keys
+(``key``) and who holds it (``claim``). Each is an enum of states and one transition
 table; ``apply(event)`` moves the machine and returns the actions the
 daemon must carry out (messages to send, bytes to free, outcomes to
 report), or raises ``IllegalTransition``. No sockets, tasks or clocks: the

@@ -16,6 +16,7 @@ import structlog
 
 from ..config import ReceiverConfig
 from ..errors import KvwireError, RequestAborted, UsageError
+from ..lifecycle.claim import ClaimAction, ClaimEvent
 from ..lifecycle.lease import LeaseEvent, LeaseState
 from ..metrics import Metrics
 from ..protocol import Failed, Handlers, Message, encode
@@ -82,7 +83,7 @@ class Engines:
         if lease is None:
             return  # not opened yet: events follow when it is
         lease.holders.add(consumer)
-        lease.claimed = True
+        self._claim(lease, ClaimEvent.SUBSCRIBED)
         for n in range(lease.landed):
             consumer.send(lease.layer_message(n))
         if lease.state is LeaseState.HELD:
@@ -97,9 +98,7 @@ class Engines:
         if lease is not None and consumer in lease.holders:
             lease.holders.discard(consumer)
             if not lease.holders:
-                lease.claimed = False
-                if lease.state is LeaseState.HELD:
-                    self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+                self._claim(lease, ClaimEvent.LAST_LET_GO)
         consumer.send(local.Unsubscribed(req=req))
 
     def release(self, consumer: Consumer, req: str) -> None:
@@ -126,12 +125,11 @@ class Engines:
         for req in consumer.subscribed:
             self._forget_subscriber(consumer, req)
             lease = self.book.by_req.get(req)
-            if lease is None:
+            if lease is None or consumer not in lease.holders:
                 continue
             lease.holders.discard(consumer)
-            if lease.state is LeaseState.HELD and not lease.holders:
-                self._reclaim(lease, "engine_gone", "its decode engine left without "
-                              "releasing it")
+            if not lease.holders:
+                self._claim(lease, ClaimEvent.LAST_DIED)
 
     def _forget_subscriber(self, consumer: Consumer, req: str) -> None:
         subs = self.subscribers.get(req)
@@ -163,7 +161,8 @@ class Engines:
     def opened(self, lease: Lease) -> None:
         # Engines that subscribed before it was opened hold it already.
         lease.holders = set(self.subscribers.get(lease.req, ()))
-        lease.claimed = bool(lease.holders)
+        if lease.holders:
+            self._claim(lease, ClaimEvent.SUBSCRIBED)
         self.missed.forget(lease.req)
 
     def decided(self, lease: Lease, error: KvwireError | None) -> None:
@@ -171,26 +170,35 @@ class Engines:
             self.missed.record(lease.req, error, asyncio.get_running_loop().time())
 
     def delivered(self, lease: Lease) -> None:
-        if lease.claimed and not lease.holders:
-            # Every engine that asked for it left while it was arriving.
-            self._reclaim(lease, "engine_gone", "its decode engines left before it was "
-                          "delivered")
-        elif not lease.claimed:
-            self._reclaim_unclaimed_after(lease, self.config.unclaimed_ttl)
+        self._claim(lease, ClaimEvent.DELIVERED)
+
+    def ended(self, lease: Lease) -> None:
+        self._claim(lease, ClaimEvent.LEASE_ENDED)
 
     # ------------------------------------------------------- reclaim
 
-    def _reclaim_unclaimed_after(self, lease: Lease, ttl: float) -> None:
-        """From now, ``ttl`` for an engine to subscribe; an earlier timer is void
-        (an engine subscribed and let go since)."""
-        if lease.unclaimed_timer is not None:
-            lease.unclaimed_timer.cancel()
-
-        def reclaim() -> None:
-            if lease.state is LeaseState.HELD and not lease.claimed:
+    def _claim(self, lease: Lease, event: ClaimEvent) -> None:
+        """Move the lease's claim (kvwired.lifecycle.claim) and carry out what it says."""
+        ttl = self.config.unclaimed_ttl
+        for action in lease.claim.apply(event):
+            if action is ClaimAction.START_TTL:
+                if lease.unclaimed_timer is not None:
+                    lease.unclaimed_timer.cancel()
+                lease.unclaimed_timer = asyncio.get_running_loop().call_later(
+                    ttl, self._claim, lease, ClaimEvent.TTL_EXPIRED)
+            elif action is ClaimAction.STOP_TTL:
+                if lease.unclaimed_timer is not None:
+                    lease.unclaimed_timer.cancel()
+                    lease.unclaimed_timer = None
+            elif action is ClaimAction.RECLAIM_UNCLAIMED:
                 self._reclaim(lease, "unclaimed", f"no decode engine subscribed to it "
                               f"within unclaimed_ttl ({ttl:g} s)")
-        lease.unclaimed_timer = asyncio.get_running_loop().call_later(ttl, reclaim)
+            elif action is ClaimAction.RECLAIM_DESERTED:
+                self._reclaim(lease, "engine_gone", "its decode engines left before it was "
+                              "delivered")
+            elif action is ClaimAction.RECLAIM_ENGINE_GONE:
+                self._reclaim(lease, "engine_gone", "its decode engine left without "
+                              "releasing it")
 
     def _reclaim(self, lease: Lease, reason: str, why: str) -> None:
         """Free a delivered request nobody will release (logged and counted once)."""

@@ -28,6 +28,7 @@ from ..errors import (
     RequestTooLarge,
 )
 from ..layout import RequestShape
+from ..lifecycle.claim import ClaimMachine
 from ..lifecycle.lease import LeaseAction, LeaseEvent, LeaseMachine, LeaseState, Outcome
 from ..metrics import Metrics
 from ..pool import Pool, Slot
@@ -72,14 +73,18 @@ class Lease:
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
-    # Decode engines subscribed to it now, and whether any ever did.
+    # Decode engines subscribed to it now; who holds it, and whether anyone
+    # will release it (kvwired.lifecycle.claim).
     holders: set[Holder] = field(default_factory=set)
-    claimed: bool = False
+    claim: ClaimMachine = field(init=False)
     error: KvwireError | None = None  # why it was aborted, for subscribers
     # Senders asking how it ended (``ask``), woken once it is decided.
     deciding: list[asyncio.Future[None]] = field(default_factory=list)
-    # Reclaims it if nobody subscribes within unclaimed_ttl (one at a time).
+    # Reclaims it if nobody subscribes within unclaimed_ttl (claim's START_TTL).
     unclaimed_timer: asyncio.TimerHandle | None = None
+
+    def __post_init__(self) -> None:
+        self.claim = ClaimMachine(self.req)
 
     @property
     def state(self) -> LeaseState:
@@ -123,6 +128,9 @@ class LeaseWatchers(Protocol):
 
     def delivered(self, lease: Lease) -> None:
         """It is held for decode: whoever claims it has until unclaimed_ttl."""
+
+    def ended(self, lease: Lease) -> None:
+        """Its slot is going back (released, aborted, reclaimed)."""
 
 
 class LeaseBook:
@@ -316,8 +324,7 @@ class LeaseBook:
 
     def _free(self, lease: Lease) -> None:
         session = lease.session
-        if lease.unclaimed_timer is not None:
-            lease.unclaimed_timer.cancel()
+        self.watchers.ended(lease)
         del self.leases[lease.id]
         self.free_lease_id(lease.id)
         if self.by_req.get(lease.req) is lease:

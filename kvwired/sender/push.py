@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..layout import ChunkCursor, RequestShape
 from ..lifecycle.push import PushAction, PushEvent, PushMachine, PushState
+from ..lifecycle.staging import StagingAction, StagingEvent, StagingMachine
 from ..metrics import Metrics
 from ..pool import Pool, Slot
 from ..protocol import control as ctl
@@ -83,12 +84,14 @@ class Push:
     # every byte, so a lost link leaves the outcome to be asked (ASKING).
     last_posted: bool = False
     task: asyncio.Task[None] | None = None  # the posting loop
-    views_dropped: bool = False  # whoever opened it holds no view of its staging
     _timers: list[asyncio.TimerHandle] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.machine = PushMachine(self.req)
         self.machine.apply(PushEvent.GRANTED)
+        # When its staging may go back: outcome known and views dropped, in
+        # either order (kvwired.lifecycle.staging).
+        self.staging_machine = StagingMachine(self.req)
 
     @property
     def state(self) -> PushState:
@@ -113,9 +116,14 @@ class Push:
     def drop_views(self) -> None:
         """Whoever opened it holds no view of its staging any more: once the
         outcome is known too, the staging goes back to the pool."""
-        self.views_dropped = True
-        if self.machine.can(PushEvent.VIEWS_DROPPED):
+        if StagingAction.RETURN in self.staging_machine.apply(StagingEvent.VIEWS_DROPPED):
             self.event(PushEvent.VIEWS_DROPPED)
+
+    def outcome_known(self) -> None:
+        """Delivered or failed (called among the actions of that transition): if
+        the views are dropped already, the staging goes back next turn."""
+        if StagingAction.RETURN in self.staging_machine.apply(StagingEvent.OUTCOME_KNOWN):
+            asyncio.get_running_loop().call_soon(self.event, PushEvent.VIEWS_DROPPED)
 
     # The link's LeaseHolder side.
     def delivered(self, checksum: int) -> None:
@@ -461,9 +469,7 @@ class PushDriver:
     def _ended(self, push: Push) -> None:
         for timer in push._timers:
             timer.cancel()
-        if push.views_dropped:
-            # After this transition's actions: the machine is DELIVERED or FAILED.
-            asyncio.get_running_loop().call_soon(push.drop_views)
+        push.outcome_known()
         if self.pushes.get(push.req) is push:
             del self.pushes[push.req]
         push.link.detach(push.lease)

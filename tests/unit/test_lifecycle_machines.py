@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvwired.lifecycle import IllegalTransition
+from kvwired.lifecycle.claim import CLAIM_TABLE, ClaimAction, ClaimEvent, ClaimMachine, ClaimState
 from kvwired.lifecycle.key import KEY_TABLE, KeyState
 from kvwired.lifecycle.lease import (
     LEASE_TABLE,
@@ -31,6 +32,13 @@ from kvwired.lifecycle.lease import (
 )
 from kvwired.lifecycle.link import LINK_TABLE, LinkAction, LinkEvent, LinkMachine, LinkState
 from kvwired.lifecycle.push import PUSH_TABLE, PushAction, PushEvent, PushMachine, PushState
+from kvwired.lifecycle.staging import (
+    STAGING_TABLE,
+    StagingAction,
+    StagingEvent,
+    StagingMachine,
+    StagingState,
+)
 from kvwired.receiver.keys import LeaseKeys
 from kvwired.receiver.session import SenderSession
 from kvwired.transport.base import Responder
@@ -206,6 +214,127 @@ class KeysAlone(RuleBasedStateMachine):
 TestKeysAlone = KeysAlone.TestCase
 
 
+class Claims(RuleBasedStateMachine):
+    """Engines subscribing, letting go and dying around a lease's delivery, its
+    TTL and its end, in any order: a delivered lease that some engine holds
+    is never reclaimed; one nobody will release always is (at once when its
+    holders died, when the TTL fires when they let go); the TTL runs exactly
+    while it is delivered and unheld; and it is reclaimed at most once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.claim = ClaimMachine("r")
+        self.holders = 0
+        self.delivered = False
+        self.lease_ended = False
+        self.ttl_running = False
+        self.reclaimed: list[ClaimAction] = []
+        self.died_since_held = False  # every holder since the last subscribe died
+
+    def _apply(self, event: ClaimEvent) -> None:
+        for action in self.claim.apply(event):
+            if action is ClaimAction.START_TTL:
+                self.ttl_running = True
+            elif action is ClaimAction.STOP_TTL:
+                self.ttl_running = False
+            else:
+                self.reclaimed.append(action)
+                self.ttl_running = False
+                self._apply(ClaimEvent.LEASE_ENDED)  # the reclaim frees the lease
+                self.lease_ended = True
+
+    @precondition(lambda self: not self.lease_ended)
+    @rule()
+    def an_engine_subscribes(self) -> None:
+        self.holders += 1
+        self.died_since_held = False
+        self._apply(ClaimEvent.SUBSCRIBED)
+
+    @precondition(lambda self: not self.lease_ended and self.holders > 0)
+    @rule(dies=st.booleans())
+    def an_engine_leaves(self, dies: bool) -> None:
+        self.holders -= 1
+        if self.holders == 0:
+            self.died_since_held = dies
+            self._apply(ClaimEvent.LAST_DIED if dies else ClaimEvent.LAST_LET_GO)
+
+    @precondition(lambda self: not self.lease_ended and not self.delivered)
+    @rule()
+    def it_is_delivered(self) -> None:
+        self.delivered = True
+        self._apply(ClaimEvent.DELIVERED)
+
+    @precondition(lambda self: self.ttl_running)
+    @rule()
+    def the_ttl_fires(self) -> None:
+        self._apply(ClaimEvent.TTL_EXPIRED)
+
+    @precondition(lambda self: not self.lease_ended)
+    @rule()
+    def it_is_released_or_aborted(self) -> None:
+        self.lease_ended = True
+        self._apply(ClaimEvent.LEASE_ENDED)
+
+    @rule()
+    def time_passes(self) -> None:
+        # Always possible, also once the lease has ended: its claim is over.
+        assert self.claim.over == self.lease_ended
+
+    @invariant()
+    def reclaimed_at_most_once_and_only_when_nobody_holds_it(self) -> None:
+        assert len(self.reclaimed) <= 1
+        if self.reclaimed:
+            assert self.holders == 0 and self.delivered
+            assert self.claim.state is ClaimState.RECLAIMED
+
+    @invariant()
+    def the_ttl_runs_exactly_while_delivered_and_unheld(self) -> None:
+        if not self.lease_ended:
+            assert self.ttl_running == (self.delivered and self.holders == 0
+                                        and not self.died_since_held)
+
+    @invariant()
+    def nobody_left_to_release_it_means_reclaimed(self) -> None:
+        if self.delivered and self.holders == 0 and self.died_since_held:
+            assert self.lease_ended and self.reclaimed
+
+
+TestClaims = Claims.TestCase
+
+
+class Staging(RuleBasedStateMachine):
+    """The engine dropping its views and the outcome becoming known, in either
+    order and with drops repeated: the staging goes back once, after both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.staging = StagingMachine("r")
+        self.dropped = False
+        self.outcome = False
+        self.returned = 0
+
+    @rule()
+    def the_engine_drops_its_views(self) -> None:
+        self.dropped = True
+        self.returned += self.staging.apply(StagingEvent.VIEWS_DROPPED).count(
+            StagingAction.RETURN)
+
+    @precondition(lambda self: not self.outcome)
+    @rule()
+    def the_outcome_is_known(self) -> None:
+        self.outcome = True
+        self.returned += self.staging.apply(StagingEvent.OUTCOME_KNOWN).count(
+            StagingAction.RETURN)
+
+    @invariant()
+    def back_once_after_both(self) -> None:
+        assert self.returned == (1 if self.dropped and self.outcome else 0)
+        assert (self.staging.state is StagingState.RETURNED) == (self.returned == 1)
+
+
+TestStaging = Staging.TestCase
+
+
 def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
     assert {s for s, _ in LEASE_TABLE} | {t.target for t in LEASE_TABLE.values()} == set(
         LeaseState)
@@ -214,6 +343,10 @@ def test_every_state_is_reachable_and_every_row_names_real_states() -> None:
     assert {s for s, _ in LINK_TABLE} | {t.target for t in LINK_TABLE.values()} == set(
         LinkState)
     assert {s for s, _ in KEY_TABLE} | {t.target for t in KEY_TABLE.values()} == set(KeyState)
+    assert {s for s, _ in CLAIM_TABLE} | {t.target for t in CLAIM_TABLE.values()} == set(
+        ClaimState)
+    assert {s for s, _ in STAGING_TABLE} | {t.target for t in STAGING_TABLE.values()} == set(
+        StagingState)
 
 
 # -------------------------------------------------------- both ends together
