@@ -31,7 +31,7 @@ class Flipper:
         writer.write(await reader.readexactly(TOKEN_BYTES))
         while True:
             header = await reader.readexactly(HEADER.size)
-            length = decode_header(header, 0, TO_RESPONDER).length
+            length = decode_header(header, 0, TO_RESPONDER)[4]
             writer.write(header)
             body = bytearray(await reader.readexactly(length))
             if body and not self.flipped and length >= self.min_bytes:

@@ -47,11 +47,12 @@ from .tcp_frames import (
     HEADER,
     TO_RESPONDER,
     TOKEN_BYTES,
+    WRITE,
     AnswerDecoder,
     Op,
     decode_header,
     encode_answer,
-    encode_write,
+    pack_header,
 )
 
 log = structlog.get_logger("kvwired.transport.tcp")
@@ -464,6 +465,7 @@ class TcpDataChannel(DataChannel):
     ) -> list[bytes | memoryview]:
         key = self._remote.key if key is None else key
         memory = self._memory
+        pack = pack_header
         frames: list[bytes | memoryview] = []
         last = len(writes) - 1
         wr_id = self._next_wr_id
@@ -473,10 +475,10 @@ class TcpDataChannel(DataChannel):
         for i, w in enumerate(writes):
             if i == last:
                 flags = FLAG_SIGNALED | (FLAG_IMM if imm is not None else 0)
-                frames.append(
-                    encode_write(flags, key, imm or 0, w.length, w.remote_offset, wr_id))
+                frames.append(pack(WRITE, flags, key, imm or 0, w.length, w.remote_offset,
+                                   wr_id))
             else:
-                frames.append(encode_write(0, key, 0, w.length, w.remote_offset, 0))
+                frames.append(pack(WRITE, 0, key, 0, w.length, w.remote_offset, 0))
             frames.append(memory[w.local_offset : w.local_offset + w.length])
         return frames
 

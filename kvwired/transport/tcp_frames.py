@@ -40,6 +40,12 @@ class Op(IntEnum):
 TO_RESPONDER = frozenset({Op.WRITE})
 TO_INITIATOR = frozenset({Op.ACK, Op.NAK})
 
+# The hot path packs and unpacks plain tuples: a 512 B chunk is one frame,
+# and building an object per frame cost 10 % of a 98,304-write push.
+pack_header = HEADER.pack
+WRITE = int(Op.WRITE)
+Fields = tuple[int, int, int, int, int, int, int]
+
 
 class Header(NamedTuple):
     """One frame's header (a tuple: one is decoded per write on the hot path)."""
@@ -62,19 +68,20 @@ class Header(NamedTuple):
 
 
 def decode_header(buffer: bytes | bytearray | memoryview, start: int,
-                  allowed: frozenset[Op]) -> Header:
-    """The header at ``start``; a TransportError if its opcode is not one this end takes."""
-    header = Header._make(HEADER.unpack_from(buffer, start))
-    if header.op not in allowed:
-        raise TransportError(f"unexpected data-path opcode {header.op}",
+                  allowed: frozenset[Op]) -> Fields:
+    """The header's fields at ``start`` (op, flags, key, imm, length, offset,
+    wr_id); a TransportError if its opcode is not one this end takes."""
+    fields: Fields = HEADER.unpack_from(buffer, start)
+    if fields[0] not in allowed:
+        raise TransportError(f"unexpected data-path opcode {fields[0]}",
                              hint="the peer is not a kvwire TCP data endpoint of this "
                                   "version, or is broken")
-    return header
+    return fields
 
 
 def encode_write(flags: int, key: int, imm: int, length: int, offset: int,
                  wr_id: int) -> bytes:
-    return HEADER.pack(Op.WRITE, flags, key, imm, length, offset, wr_id)
+    return pack_header(WRITE, flags, key, imm, length, offset, wr_id)
 
 
 def encode_answer(op: Op, wr_id: int) -> bytes:
@@ -99,7 +106,7 @@ class AnswerDecoder:
         """The next whole answer, or None until one is buffered."""
         if len(self._buffer) - self._start < HEADER.size:
             return None
-        header = decode_header(self._buffer, self._start, TO_INITIATOR)
+        header = Header._make(decode_header(self._buffer, self._start, TO_INITIATOR))
         self._start += HEADER.size
         return header
 
