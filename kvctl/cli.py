@@ -27,6 +27,12 @@ from . import table
 # cluster) do not, so a node that runs only a daemon installs none.
 CTL_EXTRA = frozenset({"numpy", "safetensors", "rich", "matplotlib", "aiohttp"})
 
+
+def needs_ctl_extra(exc: ModuleNotFoundError) -> bool:
+    """Whether a missing module is one of the ctl extra's (not a broken install)."""
+    return (exc.name or "").split(".")[0] in CTL_EXTRA
+
+
 # Both daemons' Prometheus endpoints on this host, as the shipped configs have them.
 DEFAULT_METRICS = [f"127.0.0.1:{RECEIVER_METRICS_PORT}", f"127.0.0.1:{SENDER_METRICS_PORT}"]
 
@@ -134,7 +140,7 @@ def _add_proxy_parser(commands: Any) -> None:
     try:
         from .vllm.proxy import add_parser
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in CTL_EXTRA:
+        if not needs_ctl_extra(exc):
             raise
         # Listed all the same: running it says what to install.
         commands.add_parser("proxy", help="an OpenAI endpoint in front of disaggregated "
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except ModuleNotFoundError as exc:
-        if (exc.name or "").split(".")[0] not in CTL_EXTRA:
+        if not needs_ctl_extra(exc):
             raise
         error: KvwireError = UsageError(
             f"this command needs {exc.name}, which comes with kvwire's ctl extra",

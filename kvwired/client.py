@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
-from .errors import DaemonUnavailable, KvwireError, ProtocolError, UsageError, from_wire
+from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
 from .pool import map_shared_fd, map_slot, retire_mapping
@@ -112,11 +112,6 @@ class _Connection:
 
     async def open(self, map_pool: bool) -> None:
         stream, welcome, fd = await connect_local(self.path, self.role, self.channel)
-        if not isinstance(welcome, prefill_api.Welcome | decode_api.Welcome):
-            os.close(fd)
-            stream.close()
-            raise ProtocolError(f"the daemon at {self.path} answered hello with "
-                                f"{welcome.kind!r}")
         if map_pool:
             self.map = map_shared_fd(fd, welcome.pool_size, writable=False)
         else:

@@ -34,6 +34,9 @@ from .protocol import receiver_local as decode_api
 from .protocol import sender_local as prefill_api
 from .stream import MessageStream
 
+# A daemon's answer to an engine's hello: its pool's size (and, a sender's, its peers).
+Welcome = prefill_api.Welcome | decode_api.Welcome
+
 log = structlog.get_logger("kvwired.local")
 
 ClientHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -160,7 +163,7 @@ def _connect_through_a_burst(sock: socket.socket, path: str) -> None:
 
 
 def _handshake(path: str, role: str,
-               channel: Channel) -> tuple[socket.socket, Message, int, FrameDecoder]:
+               channel: Channel) -> tuple[socket.socket, Welcome, int, FrameDecoder]:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     fds: list[int] = []
     try:
@@ -181,7 +184,7 @@ def _handshake(path: str, role: str,
             data = sock.recv(MAX_FRAME + 4)
         if isinstance(msg, Error):
             raise from_wire(msg.error)
-        if not isinstance(msg, prefill_api.Welcome | decode_api.Welcome) or len(fds) != 1:
+        if not isinstance(msg, Welcome) or len(fds) != 1:
             raise ProtocolError(f"expected a welcome with the pool fd, got {msg.kind!r}")
         sock.settimeout(None)
         sock.setblocking(False)
@@ -202,7 +205,7 @@ def _handshake(path: str, role: str,
 
 
 async def connect_local(path: str, role: str,
-                        channel: Channel) -> tuple[MessageStream, Message, int]:
+                        channel: Channel) -> tuple[MessageStream, Welcome, int]:
     """Connect to a daemon's unix socket: (message stream, welcome, pool fd)."""
     sock, welcome, fd, decoder = await asyncio.to_thread(_handshake, path, role, channel)
     try:
