@@ -43,18 +43,37 @@ def save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _with_spread(ax: Axes, xs: list[float], medians: list[float],
+                 bounds: list[list[float] | None], style: str, label: str) -> None:
+    """A line of medians; where a point was measured in rounds, a bar from
+    its lowest to its highest round (the spread the summary quotes)."""
+    below = [m - b[0] if b else 0.0 for m, b in zip(medians, bounds, strict=True)]
+    above = [b[1] - m if b else 0.0 for m, b in zip(medians, bounds, strict=True)]
+    if any(below) or any(above):
+        ax.errorbar(xs, medians, yerr=[below, above], fmt=style, capsize=3, label=label)
+    else:
+        ax.plot(xs, medians, style, label=label)
+
+
+def _range(rounds: list[float] | None) -> list[float] | None:
+    return [min(rounds), max(rounds)] if rounds and len(rounds) > 1 else None
+
+
 def sweep_latency(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = [r["size"] for r in rows]
-    for key, label, style in (("lat_p50_us", "kvwire p50", "o-"),
-                              ("lat_p99_us", "kvwire p99", "s--"),
+    _with_spread(ax, sizes, [r["lat_p50_us"] for r in rows],
+                 [_range(r.get("lat_rounds_p50_us")) for r in rows], "o-",
+                 "kvwire p50 (bars: lowest to highest round's p50)")
+    for key, label, style in (("lat_p99_us", "kvwire p99", "s--"),
                               ("lat_p999_us", "kvwire p99.9", "^:")):
         ax.plot(sizes, [r[key] for r in rows], style, label=label)
     with_perftest = [r for r in rows if "perftest_lat_typical_us" in r]
     if with_perftest:
-        ax.plot([r["size"] for r in with_perftest],
-                [r["perftest_lat_typical_us"] for r in with_perftest], "kx-",
-                label="ib_write_lat typical")
+        _with_spread(ax, [r["size"] for r in with_perftest],
+                     [r["perftest_lat_typical_us"] for r in with_perftest],
+                     [_range(r.get("perftest_lat_rounds_us")) for r in with_perftest], "kx-",
+                     "ib_write_lat typical")
         ax.plot([r["size"] for r in with_perftest],
                 [r["perftest_lat_p99_us"] for r in with_perftest], "k+:",
                 label="ib_write_lat p99")
@@ -70,17 +89,23 @@ def sweep_bandwidth(rows: list[dict[str, Any]], path: Path, title: str,
                     knee: int | None, recommended: int | None) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = [r["size"] for r in rows]
-    ax.plot(sizes, [r["stream_gbps"] for r in rows], "o-", label="kvwire streaming")
+    _with_spread(ax, sizes, [r["stream_gbps"] for r in rows],
+                 [_range(r.get("stream_rounds_gbps")) for r in rows], "o-",
+                 "kvwire streaming (bars: lowest to highest round)")
     delivered = [r for r in rows if "deliver_gbps" in r]
     if delivered:
         ax.plot([r["size"] for r in delivered], [r["deliver_gbps"] for r in delivered], "s--",
                 label="48 MiB cache delivered (request path)")
     with_perftest = [r for r in rows if "perftest_gbps" in r]
     if with_perftest:
-        ax.plot([r["size"] for r in with_perftest], [r["perftest_gbps"] for r in with_perftest],
-                "kx-", label="ib_write_bw")
+        _with_spread(ax, [r["size"] for r in with_perftest],
+                     [r["perftest_gbps"] for r in with_perftest],
+                     [_range(r.get("perftest_rounds_gbps")) for r in with_perftest], "kx-",
+                     "ib_write_bw")
     _size_axis(ax)
-    top = max([r["stream_gbps"] for r in rows] + [r.get("perftest_gbps", 0) for r in rows])
+    top = max([max([r["stream_gbps"], *r.get("stream_rounds_gbps", [])]) for r in rows]
+              + [max([r.get("perftest_gbps", 0), *r.get("perftest_rounds_gbps", [])])
+                 for r in rows])
     for name, size in GRANULARITY_MARKS.items():
         ax.axvline(size, color="grey", alpha=0.4, linewidth=1)
         ax.text(size, top * 1.02, f" per {name}", rotation=90, va="bottom", ha="center",
@@ -101,7 +126,9 @@ def overlap_speedup(rows: list[dict[str, Any]], path: Path, title: str,
                     deployment_ratio: float | None) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     ratios = [r["ratio"] for r in rows]
-    ax.plot(ratios, [r["speedup"] for r in rows], "o-", label="measured speedup")
+    _with_spread(ax, ratios, [r["speedup"] for r in rows],
+                 [r.get("speedup_spread") for r in rows], "o-",
+                 "measured speedup (bars: lowest to highest pair)")
     ax.plot(ratios, [r["ideal_speedup"] for r in rows], "k--", label="ideal N(Tc+Tx)/(N max + min)")
     ax.plot(ratios, [r["ceiling_speedup"] for r in rows], "k:",
             label="ceiling on this link's T_x spread")

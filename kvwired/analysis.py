@@ -5,6 +5,11 @@
 - The knee of a bandwidth curve is the smallest size reaching a fraction
   (90 %) of the peak: below it, per-descriptor cost rules; above it, the
   link does.
+- Spread: a figure measured in rounds is their median, and its spread the
+  lowest and highest round. A ratio whose spread is wider than its distance
+  from 1 says less than its median alone suggests: the link drifted more
+  between rounds than the two sides differ. The knee carries the sizes it
+  could be, given each size's spread.
 - Overlap: with compute Tc and transfer Tx per layer, running them one after
   the other costs Tc + Tx per layer, double-buffered max(Tc, Tx); the ideal
   speedup is (Tc + Tx) / max(Tc, Tx), at most 2, reached at the ridge point
@@ -180,3 +185,58 @@ SIDE_MEANING = {
                      "set the pace",
     "balanced": "at the ridge: compute and transfer hide each other completely",
 }
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure measured in rounds: the median, and the lowest and highest round.
+
+    One round has no spread (``low`` and ``high`` are None): it says nothing
+    about how steady the figure is.
+    """
+
+    median: float
+    low: float | None = None
+    high: float | None = None
+
+    @property
+    def width(self) -> float:
+        return 0.0 if self.low is None or self.high is None else self.high - self.low
+
+    def wider_than_effect(self, parity: float = 1.0) -> bool:
+        """Whether the rounds disagree by more than the figure differs from
+        ``parity``, or fall on both sides of it: read as a tendency at most."""
+        if self.low is None or self.high is None:
+            return False
+        return self.low <= parity <= self.high or self.width > abs(self.median - parity)
+
+    def to_wire(self) -> list[float] | None:
+        return None if self.low is None or self.high is None else [self.low, self.high]
+
+
+def spread(rounds: Sequence[float]) -> Spread | None:
+    """The median and range of ``rounds``; None with no rounds at all."""
+    if not rounds:
+        return None
+    if len(rounds) == 1:
+        return Spread(float(rounds[0]))
+    return Spread(float(statistics.median(rounds)), float(min(rounds)), float(max(rounds)))
+
+
+def knee_range(rounds: dict[int, Sequence[float]],
+               fraction: float = KNEE_FRACTION) -> tuple[int, int] | None:
+    """The sizes the knee could be, within each size's rounds.
+
+    The knee is the smallest size whose median reaches ``fraction`` of the
+    highest median. It could be as early as the smallest size one of whose
+    rounds reaches that line, and is surely reached by the smallest size all
+    of whose rounds do (else by the knee itself).
+    """
+    medians = {size: statistics.median(r) for size, r in rounds.items() if r}
+    at = knee(medians, fraction)
+    if at is None:
+        return None
+    line = fraction * max(medians.values())
+    earliest = min(size for size, r in rounds.items() if r and max(r) >= line)
+    sure = [size for size, r in rounds.items() if r and min(r) >= line and size >= at]
+    return min(earliest, at), min(sure) if sure else at

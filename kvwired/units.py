@@ -60,3 +60,11 @@ def parse_seconds(text: str | float) -> float:
         raise ConfigError(f"cannot read {text!r} as a duration",
                           hint="write seconds, optionally with s, ms, us or ns")
     return float(match.group(1)) * _SECONDS[match.group(2) or "s"]
+
+
+def format_clock(seconds: float) -> str:
+    """A duration as a clock reads: ``75`` -> ``1:15``; ``3725`` -> ``1:02:05``."""
+    whole = round(max(0.0, seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02}:{secs:02}" if hours else f"{minutes}:{secs:02}"

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvwired.experiments.plan import PlannedPhase
 from kvwired.layout import RequestShape
 
 from ..netns import HarnessError, check_can_run
@@ -18,7 +19,7 @@ from ..progress import PhaseProgress
 from . import report
 from .campaign import Campaign, ScenarioResult
 from .deployment import Deployment, NetnsDeployment
-from .scenarios import SHORT, select
+from .scenarios import SHORT, Scenario, select
 
 
 # Daemons tuned for a campaign: pools of two pushes (the iteration's, and a
@@ -55,18 +56,28 @@ def _deployment(where: str, workdir: Path, shape: RequestShape
     return NetnsDeployment(workdir, receiver, sender)
 
 
+def planned(scenario: Scenario, iterations: int, shape: RequestShape) -> PlannedPhase:
+    """A scenario's work for the progress estimate: its pushes, and a
+    recovery per iteration where the fault stops a daemon or the wire."""
+    disrupts = bool(scenario.action or scenario.blackout or scenario.data_cut)
+    return PlannedPhase(scenario.name, iterations * shape.layers,
+                        iterations * shape.total_bytes, iterations if disrupts else 0)
+
+
 def run_faults(args: argparse.Namespace) -> int:
     names = list(SHORT) if args.short and not args.scenarios else args.scenarios
     iterations = SHORT_ITERATIONS if args.short else args.iterations
     shape = RequestShape(args.layers, args.layer_bytes)
     results: list[ScenarioResult] = []
     with tempfile.TemporaryDirectory(prefix="kvwire-faults-") as tmp, \
-            _deployment(args.where, Path(tmp), shape) as deployment, \
-            PhaseProgress(enabled=not args.quiet) as progress:
-        campaign = Campaign(deployment, iterations, shape, seed=args.seed,
-                            progress=progress.update)
-        for scenario in select(names, deployment.transport):
-            results.append(campaign.run(scenario))
+            _deployment(args.where, Path(tmp), shape) as deployment:
+        scenarios = select(names, deployment.transport)
+        plan = [planned(scenario, iterations, shape) for scenario in scenarios]
+        with PhaseProgress(enabled=not args.quiet, plan=plan) as progress:
+            campaign = Campaign(deployment, iterations, shape, seed=args.seed,
+                                progress=progress.update)
+            for scenario in scenarios:
+                results.append(campaign.run(scenario))
     setup = {"where": args.where, "iterations": iterations, "layers": shape.layers,
              "push_bytes": shape.total_bytes}
     print(json.dumps(report.document(results, setup), indent=2) if args.json

@@ -90,7 +90,7 @@ class ForkServer:
         try:
             exec_in(self.node, [sys.executable, "-m", "kvctl.faults.forkserver",
                                 str(self.directory)],
-                    stdout=self, stderr=self._errors, state=self.state)  # type: ignore[arg-type]
+                    stdout=self, stderr=self._errors, state=self.state)
         finally:
             for child in list(self._children.values()):  # spawn() may add one meanwhile
                 child.lines.put(None)

@@ -18,6 +18,7 @@ Iteration counts are trimmed so the whole demo takes 7 to 20 minutes on a
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import shutil
@@ -27,11 +28,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from kvwired.units import format_size
+from kvwired.units import format_clock, format_size
 
+from ..figures import NOISE_NOTE, knee_certainty, ratio_spread, speedup_text, times
 from . import machine
 from .daemons import DECODE_ADDRESS, ServiceDaemon, receiver_config, sender_config
-from .machine import SHARED_DIR, LabError, LabState, run_in
+from .machine import SHARED_DIR, LabError, LabState, exec_in
 
 SWEEP_ARGS = ("--iters", "300", "--latency-bytes", "32MiB", "--stream-bytes", "32MiB",
               "--baseline", "perftest")
@@ -52,15 +54,35 @@ def _kvctl(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvctl", *args]
 
 
-def _step(state: LabState, title: str, argv: list[str], out: TextIO) -> str:
+class Relay:
+    """A node's output, shown on the host as it arrives and kept for the summary."""
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def write(self, data: bytes) -> int:
+        text = self._decoder.decode(data)
+        self.text += text
+        self._out.write(text)
+        return len(data)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
+def run_step(state: LabState, title: str, argv: list[str], out: TextIO) -> str:
+    """``argv`` on the prefill node, its progress and figures streamed to ``out``
+    while it runs; its standard output, for the summary."""
     print(f"\n== {title}", file=out, flush=True)
     started = time.monotonic()
-    code, stdout, stderr = run_in("prefill", argv, state=state)
-    print(stdout.rstrip(), file=out, flush=True)
+    stdout, stderr = Relay(out), Relay(out)
+    code = exec_in("prefill", argv, stdout=stdout, stderr=stderr, state=state)
     if code != 0:
-        raise LabError(f"{title} failed (exit {code}):\n{stderr.strip()[-2000:]}")
-    print(f"({time.monotonic() - started:.0f} s)", file=out, flush=True)
-    return stdout
+        raise LabError(f"{title} failed (exit {code}):\n{stderr.text.strip()[-2000:]}")
+    print(f"({format_clock(time.monotonic() - started)} for this step)", file=out, flush=True)
+    return stdout.text
 
 
 def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
@@ -84,11 +106,11 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout) -> Path:
               "(prefill) under systemd, over verbs ...", file=out, flush=True)
         with _serving(rx, tx):
             out_flag = ("--out", str(node_results))
-            sections.append(_step(state, "kvctl probe (prefill node)", _kvctl(
+            sections.append(run_step(state, "kvctl probe (prefill node)", _kvctl(
                 "probe", "--to", DECODE_ADDRESS, *out_flag), out))
-            sections.append(_step(state, "kvctl run chunk-sweep --baseline perftest", _kvctl(
+            sections.append(run_step(state, "kvctl run chunk-sweep --baseline perftest", _kvctl(
                 "run", "chunk-sweep", "--socket", tx.socket, *SWEEP_ARGS, *out_flag), out))
-            sections.append(_step(state, "kvctl run overlap", _kvctl(
+            sections.append(run_step(state, "kvctl run overlap", _kvctl(
                 "run", "overlap", "--socket", tx.socket, *OVERLAP_ARGS, *out_flag), out))
         sections.append(_tcp_against_socket_loop(state, node_results / "tcp", out))
         # Before the lab goes down: its shared directory goes with it.
@@ -111,7 +133,7 @@ def _tcp_against_socket_loop(state: LabState, out_dir: Path, out: TextIO) -> str
     print("\nrestarting both daemons over the TCP transport, same wire ...", file=out,
           flush=True)
     with _serving(rx, tx):
-        return _step(state, "kvctl run chunk-sweep --baseline socket (transport tcp)",
+        return run_step(state, "kvctl run chunk-sweep --baseline socket (transport tcp)",
                      _kvctl("run", "chunk-sweep", "--socket", tx.socket, *TCP_SWEEP_ARGS,
                             "--out", str(out_dir)), out)
 
@@ -130,34 +152,35 @@ def _serving(rx: ServiceDaemon, tx: ServiceDaemon) -> Iterator[None]:
         rx.stop()
 
 
-def _times(value: float | None) -> str:
-    return "-" if value is None else f"x{value:.2f}"
-
-
 def _summary(results: Path, seconds: float) -> str:
     sweep = json.loads((results / "chunk-sweep.json").read_text())
     overlap = json.loads((results / "overlap.json").read_text())
     s, o = sweep["summary"], overlap["summary"]
-    lines = ["== summary (Soft-RoCE between two emulated nodes: read ratios, not absolutes)",
-             f"knee: {format_size(s['knee_bytes'])}; peak streaming {s['peak_gbps']:.3f} Gb/s; "
-             f"recommended chunk {format_size(s['recommended_chunk_bytes'])} "
-             f"({s['recommendation']})"]
+    lines = ["== summary (Soft-RoCE between two emulated nodes: read ratios, not absolutes; "
+             "each ratio is the median of its rounds, lowest\N{EN DASH}highest round after it)",
+             f"knee: {format_size(s['knee_bytes'])} ({knee_certainty(s)}); peak streaming "
+             f"{s['peak_gbps']:.3f} Gb/s; recommended chunk "
+             f"{format_size(s['recommended_chunk_bytes'])} ({s['recommendation']})"]
+    said = []
     for ratio in sweep["ratios"]:
-        lines.append(f"kvwire / perftest at {format_size(ratio['size'])}: latency "
-                     f"{_times(ratio['latency_ratio'])}, bandwidth "
-                     f"{_times(ratio['bandwidth_ratio'])}")
-    lines.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
-                 f"speedup {o['peak_speedup']:.2f} at Tc/Tx = {o['peak_speedup_ratio']:g} "
-                 f"({o['peak_efficiency']:.0%} of ideal; the link's T_x spread caps it at "
-                 f"{o['peak_ceiling_speedup']:.2f})")
+        said.append(f"kvwire / perftest at {format_size(ratio['size'])}: latency "
+                    f"{times(ratio_spread(ratio, 'latency_ratio'))}, bandwidth "
+                    f"{times(ratio_spread(ratio, 'bandwidth_ratio'))}")
+    said.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
+                f"speedup {speedup_text(o)} at Tc/Tx = {o['peak_speedup_ratio']:g} "
+                f"({o['peak_efficiency']:.0%} of ideal; the link's T_x spread caps it at "
+                f"{o['peak_ceiling_speedup']:.2f})")
     tcp = results / "tcp" / "chunk-sweep.json"
     if tcp.exists():
         for ratio in json.loads(tcp.read_text())["ratios"]:
             if ratio.get("delivery_time_ratio") is None:
                 continue
-            lines.append(f"kvwire tcp / plain socket loop on the wire, 48 MiB in "
-                         f"{format_size(ratio['size'])} writes: time "
-                         f"x{ratio['delivery_time_ratio']:.2f}")
+            said.append(f"kvwire tcp / plain socket loop on the wire, 48 MiB in "
+                        f"{format_size(ratio['size'])} writes: time "
+                        f"{times(ratio_spread(ratio, 'delivery_time_ratio'))}")
+    lines += said
+    if any("within the spread" in line for line in said):
+        lines.append(NOISE_NOTE)
     if "deployment_side" in o:
         lines.append(f"at {LAYER_COMPUTE} compute per layer this link is {o['deployment_side']}: "
                      f"{o['deployment_meaning']}")

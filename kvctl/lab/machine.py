@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 from kvwired.addresses import (
     DEFAULT_CONTROL_PORT,
@@ -383,10 +383,18 @@ def require_state() -> LabState:
     return state
 
 
+class Sink(Protocol):
+    """Where a node's output goes as it arrives: a binary file, or a relay."""
+
+    def write(self, data: bytes, /) -> object: ...
+
+    def flush(self) -> None: ...
+
+
 def exec_in(node: str, argv: Sequence[str], *, cwd: str | None = None,
-            env: dict[str, str] | None = None, stdout: BinaryIO | None = None,
-            stderr: BinaryIO | None = None, state: LabState | None = None) -> int:
-    """Run ``argv`` in ``node``, streaming its output; its exit code."""
+            env: dict[str, str] | None = None, stdout: Sink | None = None,
+            stderr: Sink | None = None, state: LabState | None = None) -> int:
+    """Run ``argv`` in ``node``, streaming its output as it comes; its exit code."""
     state = state or require_state()
     bin_dir = str(Path(_venv_python()).parent)
     environment = {

@@ -15,6 +15,7 @@ from kvwired.protocol import sender_local as prefill_api
 from kvwired.units import format_size
 
 from .. import plots, table
+from ..figures import NOISE_NOTE, knee_certainty, ratio_spread, times, with_spread
 from ..progress import PhaseProgress
 from . import results
 
@@ -65,21 +66,24 @@ async def run_sweep(socket: str | None, params: dict[str, Any],
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvwire over its baseline per size. perftest: latency (the median over
-    rounds of our p50 / ib_write_lat's typical, run in turn) and streaming
-    bandwidth; socket loop: the 48 MiB delivery's time over the loop's."""
+    """kvwire over its baseline per size, each the median of its rounds' own
+    ratios with their spread (``<name>_spread``: lowest and highest round).
+    perftest: latency (our p50 / ib_write_lat's typical) and streaming
+    bandwidth (ours / ib_write_bw's), each round beside its perftest run;
+    socket loop: the 48 MiB delivery's time over the loop round beside it."""
     out = []
     for row in rows:
+        entry: dict[str, Any] = {"size": row["size"]}
         if "perftest_gbps" in row:
-            out.append({
-                "size": row["size"],
-                "latency_ratio": row["latency_ratio"],
-                "bandwidth_ratio": analysis.ratio(row["stream_gbps"], row["perftest_gbps"]),
-            })
+            with_spread(entry, "latency_ratio", row.get("latency_round_ratios") or [])
+            with_spread(entry, "bandwidth_ratio", row.get("bandwidth_round_ratios") or [])
         elif "socket_seconds" in row and "deliver_seconds" in row:
-            out.append({"size": row["size"],
-                        "delivery_time_ratio": analysis.ratio(row["deliver_seconds"],
-                                                              row["socket_seconds"])})
+            paired = zip(row.get("deliver_rounds") or [], row["socket_rounds"], strict=False)
+            with_spread(entry, "delivery_time_ratio",
+                        [r for ours, loop in paired if (r := analysis.ratio(ours, loop))])
+        else:
+            continue
+        out.append(entry)
     return out
 
 
@@ -102,8 +106,7 @@ def render(run: SweepRun) -> str:
         if perftest:
             if "perftest_gbps" in r:
                 line += [f"{r['perftest_lat_typical_us']:.1f}", f"{r['perftest_gbps']:.3f}",
-                         _times(r["latency_ratio"]),
-                         _times(analysis.ratio(r["stream_gbps"], r["perftest_gbps"]))]
+                         _times(r["latency_ratio"]), _times(r.get("bandwidth_ratio"))]
             else:
                 line += ["-"] * 4
         if socket:
@@ -122,19 +125,25 @@ def render(run: SweepRun) -> str:
         knee = summary["knee_bytes"]
         if knee is not None:
             lines.append(f"knee: {format_size(knee)} (smallest size reaching 90% of the "
-                         f"{summary['peak_gbps']:.3f} Gb/s peak)")
+                         f"{summary['peak_gbps']:.3f} Gb/s peak; {knee_certainty(summary)})")
         chunk = summary["recommended_chunk_bytes"]
         if chunk is not None:
             lines.append(f"recommended streaming chunk: {format_size(chunk)} — "
                          f"{summary['recommendation']}")
     quoted = [r for r in ratios(run.rows) if r["size"] in RATIO_SIZES]
+    said = []
     if quoted and "latency_ratio" in quoted[0]:
-        lines.append("kvwire / perftest: " + "; ".join(
-            f"{format_size(r['size'])}: latency {_times(r['latency_ratio'])}, "
-            f"bandwidth {_times(r['bandwidth_ratio'])}" for r in quoted))
+        said = [f"{format_size(r['size'])}: latency {times(ratio_spread(r, 'latency_ratio'))}, "
+                f"bandwidth {times(ratio_spread(r, 'bandwidth_ratio'))}" for r in quoted]
+        lines.append("kvwire / perftest (median of rounds, lowest\N{EN DASH}highest): "
+                     + "; ".join(said))
     elif quoted:
-        lines.append("kvwire delivery time / plain socket loop, 48 MiB: " + "; ".join(
-            f"{format_size(r['size'])}: {_times(r['delivery_time_ratio'])}" for r in quoted))
+        said = [f"{format_size(r['size'])}: {times(ratio_spread(r, 'delivery_time_ratio'))}"
+                for r in quoted]
+        lines.append("kvwire delivery time / plain socket loop, 48 MiB (median of rounds, "
+                     "lowest\N{EN DASH}highest): " + "; ".join(said))
+    if any("within the spread" in text for text in said):
+        lines.append(NOISE_NOTE)
     if run.error is not None:
         lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
                      f"{len(run.params.get('sizes') or []) or '?'} sizes measured)")

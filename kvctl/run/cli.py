@@ -119,7 +119,7 @@ def run_main(args: argparse.Namespace) -> int:
 
 
 async def _chunk_sweep(args: argparse.Namespace) -> int:
-    from kvwired.experiments.spec import DEFAULT_SIZES
+    from kvwired.experiments.spec import DEFAULT_SIZES, SweepParams
 
     from . import chunk_sweep
 
@@ -130,7 +130,7 @@ async def _chunk_sweep(args: argparse.Namespace) -> int:
         "baseline": args.baseline or ""}
     from ..progress import PhaseProgress  # rich: the ctl extra
 
-    progress = PhaseProgress(enabled=not args.quiet)
+    progress = PhaseProgress(enabled=not args.quiet, plan=SweepParams.from_wire(params).phases())
     run = await chunk_sweep.run_sweep(args.socket, params, progress)
     return _finish(args, run.document(), chunk_sweep.render(run),
                    lambda out: chunk_sweep.write_outputs(run, out), run.error)
@@ -152,7 +152,7 @@ async def _overlap(args: argparse.Namespace) -> int:
         layer_compute=args.layer_compute, buffers=args.buffers)
     from ..progress import PhaseProgress  # rich: the ctl extra
 
-    progress = PhaseProgress(enabled=not args.quiet)
+    progress = PhaseProgress(enabled=not args.quiet, plan=params.phases())
     run = await overlap.run_overlap(args.socket, params, progress)
     return _finish(args, run.document(), overlap.render(run),
                    lambda out: overlap.write_outputs(run, out), run.error)

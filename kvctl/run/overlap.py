@@ -36,10 +36,12 @@ from typing import Any
 from kvwired import analysis
 from kvwired.client import OutgoingPush, SenderClient
 from kvwired.errors import KvwireError, UsageError
+from kvwired.experiments.plan import PlannedPhase
 from kvwired.layout import RequestShape
 from kvwired.units import format_size
 
 from .. import plots, table
+from ..figures import speedup_text
 from ..progress import PhaseProgress
 from . import results
 
@@ -72,6 +74,20 @@ class OverlapParams:
     def shape(self) -> RequestShape:
         return RequestShape(self.layers, self.layer_bytes)
 
+    def phases(self) -> list[PlannedPhase]:
+        """T_x, then per ratio its pairs of pushes. Tc follows T_x, so a
+        ratio's compute counts as that many more of the cache's bytes: a
+        sequential push takes (1 + r) transfers, an overlapped one max(1, r)."""
+        cache = self.shape.total_bytes
+        writes = self.layers  # at least one per layer; the chunk is the sender's
+        out = [PlannedPhase("T_x per layer", (self.repeats + 1) * writes,
+                            (self.repeats + 1) * cache, self.repeats + 1)]
+        for ratio in self.ratios:
+            out.append(PlannedPhase(
+                f"Tc/Tx = {ratio:g}", 2 * self.repeats * writes,
+                int(self.repeats * cache * (1 + ratio + max(1.0, ratio))), 2 * self.repeats))
+        return out
+
 
 @dataclass
 class OverlapRun:
@@ -93,7 +109,9 @@ class OverlapRun:
                                "ridge_compute_per_layer_s": tx}
         if self.rows:
             best = max(self.rows, key=lambda r: r["speedup"])
-            out.update(peak_speedup=best["speedup"], peak_speedup_ratio=best["ratio"],
+            out.update(peak_speedup=best["speedup"],
+                       peak_speedup_spread=best.get("speedup_spread"),
+                       peak_speedup_ratio=best["ratio"],
                        peak_efficiency=best["efficiency"],
                        peak_ceiling_speedup=best["ceiling_speedup"])
         if tx and self.params.layer_compute is not None:
@@ -223,7 +241,9 @@ def _row(params: OverlapParams, ratio: float, pairs: list[tuple[float, _Timed, _
     overlapped_s = statistics.median(t.seconds for t in overlapped)
     # Per pair, then the median: a pair's two pushes ran back to back with
     # one Tc, while the link may have drifted between pairs.
-    speedup = statistics.median(s.seconds / o.seconds for _, s, o in pairs)
+    pair_speedups = [s.seconds / o.seconds for _, s, o in pairs]
+    speedup = statistics.median(pair_speedups)
+    steadiness = analysis.spread(pair_speedups)
     ideal = analysis.ideal_speedup(tc, tx, params.layers)
     total_bytes = params.shape.total_bytes
     return {
@@ -232,7 +252,8 @@ def _row(params: OverlapParams, ratio: float, pairs: list[tuple[float, _Timed, _
         "sequential_s": sequential_s, "overlapped_s": overlapped_s,
         "sequential_gbps": analysis.gbps(total_bytes, sequential_s),
         "overlapped_gbps": analysis.gbps(total_bytes, overlapped_s),
-        "speedup": speedup, "ideal_speedup": ideal,
+        "speedup": speedup, "speedup_spread": steadiness.to_wire() if steadiness else None,
+        "pair_speedups": pair_speedups, "ideal_speedup": ideal,
         "efficiency": analysis.efficiency(speedup, ideal),
         "ceiling_speedup": analysis.jitter_ceiling(tc, during, params.layers, params.buffers),
         "side": analysis.bound_side(tc, tx),
@@ -256,12 +277,14 @@ def render(run: OverlapRun) -> str:
                      "Tc follows it as it drifts, Tx ms is what each ratio's pushes saw")
     lines.append(table.render(
         ["Tc/Tx", "Tc ms", "Tx ms", "sequential ms", "overlapped ms", "seq Gb/s", "ovl Gb/s",
-         "speedup", "ideal", "ceiling", "efficiency", "side", "stall ms", "overshoot ms"],
+         "speedup", "pairs", "ideal", "ceiling", "efficiency", "side", "stall ms",
+         "overshoot ms"],
         [[f"{r['ratio']:g}", f"{r['compute_per_layer_s'] * 1e3:.2f}",
           f"{r['transfer_per_layer_s'] * 1e3:.2f}",
           f"{r['sequential_s'] * 1e3:.1f}", f"{r['overlapped_s'] * 1e3:.1f}",
           f"{r['sequential_gbps']:.3f}", f"{r['overlapped_gbps']:.3f}", f"{r['speedup']:.2f}",
-          f"{r['ideal_speedup']:.2f}", f"{r['ceiling_speedup']:.2f}", f"{r['efficiency']:.0%}",
+          _pairs(r.get("speedup_spread")), f"{r['ideal_speedup']:.2f}",
+          f"{r['ceiling_speedup']:.2f}", f"{r['efficiency']:.0%}",
           r["side"],
           f"{r['overlapped_stall_s'] * 1e3:.0f}", f"{r['compute_overshoot_s'] * 1e3:.0f}"]
          for r in run.rows]))
@@ -269,10 +292,11 @@ def render(run: OverlapRun) -> str:
         lines.append("ideal and ceiling are worked out on Tx ms; "
                      "ceiling: the ideal on this link's own T_x spread (a perfect engine); "
                      "stall: an overlapped push's wait for a free buffer (the link ran late); "
-                     "overshoot: compute beyond Tc (the engine ran late); per push, medians")
+                     "overshoot: compute beyond Tc (the engine ran late); per push, medians; "
+                     "pairs: the lowest and highest speedup of the pairs of pushes")
     summary = run.summary()
     if "peak_speedup" in summary:
-        lines.append(f"peak speedup {summary['peak_speedup']:.2f} at Tc/Tx = "
+        lines.append(f"peak speedup {speedup_text(summary)} at Tc/Tx = "
                      f"{summary['peak_speedup_ratio']:g} "
                      f"({summary['peak_efficiency']:.0%} of ideal; this link's ceiling "
                      f"{summary['peak_ceiling_speedup']:.2f})")
@@ -290,6 +314,10 @@ def render(run: OverlapRun) -> str:
         lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
                      f"{len(p.ratios)} ratios measured)")
     return "\n".join(lines)
+
+
+def _pairs(bounds: list[float] | None) -> str:
+    return "-" if not bounds else f"{bounds[0]:.2f}\N{EN DASH}{bounds[1]:.2f}"
 
 
 def write_outputs(run: OverlapRun, out_dir: Path) -> list[Path]:

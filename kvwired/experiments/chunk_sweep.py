@@ -5,13 +5,13 @@ Per size, on the daemons' own data path:
 1. latency: WRITE_WITH_IMM ping-pong through the receiver's echo lease;
    half round trips, like ib_write_lat reports them;
 2. streaming: writes of that size back to back, no immediates, a window of
-   posts in flight (like ib_write_bw): Gb/s and writes/s;
+   posts in flight (like ib_write_bw): Gb/s and writes/s, in three rounds;
 3. delivery: the whole 48 MiB reference cache pushed at that granularity
    through the real request path (lease, per-layer immediates, delivery
    confirmation), the receiver discarding it once delivered;
 4. optionally a baseline on the same link: perftest (``baseline = perftest``:
-   latency and streaming against ib_write_lat/ib_write_bw, a round of pings
-   and an ib_write_lat run in turn, three of each) or a plain socket
+   latency and streaming against ib_write_lat/ib_write_bw, a round of ours
+   and a perftest run in turn, three of each) or a plain socket
    loop (``baseline = socket``: the 48 MiB cache moved at that size by
    ``sendall``/``recv_into``, against the delivery; a delivery and a loop
    round alternate, three of each, and the medians are compared).
@@ -42,12 +42,16 @@ from ..units import format_size
 from . import baseline, perftest, socket_loop
 from .echo import EchoInitiator
 from .host import PeerHandle, Report, SenderHost
-from .spec import PERFTEST_LATENCY_ROUNDS, SOCKET_LOOP_ROUNDS, SweepParams
+from .spec import (
+    PERFTEST_MIN_ITERS,
+    PERFTEST_TRIES,
+    PROGRESS_EVERY,
+    ROUNDS,
+    SweepParams,
+    ping_warmup,
+)
 
 log = structlog.get_logger("kvwired.experiments.chunk_sweep")
-
-PERFTEST_TRIES = 3
-PROGRESS_EVERY = 0.2  # seconds between progress messages
 
 
 @dataclass
@@ -118,8 +122,6 @@ class ChunkSweep:
             row.update(await self._against_socket_loop(link, size, progress))
         elif self.params.deliver:
             row.update(await self._deliver(link, size, progress))
-        if self.params.baseline == "perftest":
-            row.update(await self._perftest_bandwidth(link, size, progress))
         return row
 
     # ------------------------------------------------------------ echo
@@ -160,7 +162,7 @@ class ChunkSweep:
     async def _pings(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                      pings: int, progress: _Progress) -> list[float]:
         """``pings`` round trips (after a few unmeasured ones), in seconds."""
-        warmup = min(10, max(1, pings // 10))
+        warmup = ping_warmup(pings)
         phase = f"latency {format_size(size)}"
         rtts = []
         for n in range(warmup + pings):
@@ -181,22 +183,24 @@ class ChunkSweep:
         much later compares two different links. Each round's p50 is set
         against the perftest run beside it; the ratio is their median.
         """
-        rounds = PERFTEST_LATENCY_ROUNDS
-        per_round = max(1, -(-self.params.pings(size) // rounds))
+        per_round = self.params.pings_per_round(size)
         rtts: list[float] = []
+        round_p50s: list[float] = []
         figures: list[perftest.LatencyFigures] = []
         ratios: list[float] = []
-        for n in range(rounds):
+        for n in range(ROUNDS):
             ours = await self._pings(link, echo, index, size, per_round, progress)
-            progress(f"perftest latency {format_size(size)}", n, rounds, force=True)
-            out = await self._perftest_pair(link, "ib_write_lat", size, max(5, per_round))
+            progress(f"perftest latency {format_size(size)}", n, ROUNDS, force=True)
+            out = await self._perftest_pair(link, "ib_write_lat", size,
+                                            max(PERFTEST_MIN_ITERS, per_round))
             theirs = perftest.parse_latency(out, size)
             rtts += ours
+            round_p50s.append(analysis.half_rtt_latency(ours).p50_us)
             figures.append(theirs)
-            ratio = analysis.ratio(analysis.half_rtt_latency(ours).p50_us, theirs.typical_us)
+            ratio = analysis.ratio(round_p50s[-1], theirs.typical_us)
             if ratio is not None:  # perftest reported 0 µs: that round has no ratio
                 ratios.append(ratio)
-        return {**_latency_row(rtts),
+        return {**_latency_row(rtts), "lat_rounds_p50_us": round_p50s,
                 "perftest_lat_samples": sum(f.iterations for f in figures),
                 "perftest_lat_typical_us": statistics.median(f.typical_us for f in figures),
                 "perftest_lat_p99_us": statistics.median(f.p99_us for f in figures),
@@ -207,13 +211,41 @@ class ChunkSweep:
 
     async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
-        count = self.params.stream_writes(size)
+        """Streaming in rounds; with perftest, an ib_write_bw run after each.
+
+        The bandwidth ratio is the median of the rounds' own ratios, each
+        round set against the perftest run beside it (as the latency's).
+        """
+        count = self.params.stream_writes_per_round(size)
         phase = f"stream {format_size(size)}"
-        seconds = await echo.stream(self._channel(link, echo), size, count,
-                                    lambda done: progress(phase, done, count))
-        return {"stream_writes": count, "stream_bytes": count * size,
-                "stream_seconds": seconds, "stream_gbps": analysis.gbps(count * size, seconds),
-                "stream_writes_per_s": count / seconds if seconds else 0.0}
+        seconds: list[float] = []
+        theirs: list[perftest.BandwidthFigures] = []
+        for n in range(ROUNDS):
+            def counted(done: int, before: int = n * count) -> None:
+                progress(phase, before + done, count * ROUNDS)  # the rounds' writes together
+
+            seconds.append(await echo.stream(self._channel(link, echo), size, count, counted))
+            if self.params.baseline == "perftest":
+                theirs.append(await self._perftest_bandwidth(link, size, count, progress))
+        total = count * ROUNDS
+        elapsed = sum(seconds)
+        rounds_gbps = [analysis.gbps(count * size, s) for s in seconds]
+        # The median round, as every figure measured in rounds.
+        median = statistics.median(seconds)
+        row: dict[str, Any] = {
+            "stream_writes": total, "stream_bytes": total * size, "stream_seconds": elapsed,
+            "stream_gbps": statistics.median(rounds_gbps),
+            "stream_writes_per_s": count / median if median else 0.0,
+            "stream_rounds_gbps": rounds_gbps}
+        if theirs:
+            ratios = [r for ours, bw in zip(rounds_gbps, theirs, strict=True)
+                      if (r := analysis.ratio(ours, bw.gbps)) is not None]
+            row.update(perftest_gbps=statistics.median(bw.gbps for bw in theirs),
+                       perftest_writes_per_s=statistics.median(bw.mpps for bw in theirs) * 1e6,
+                       perftest_rounds_gbps=[bw.gbps for bw in theirs],
+                       bandwidth_round_ratios=ratios,
+                       bandwidth_ratio=statistics.median(ratios) if ratios else None)
+        return row
 
     async def _deliver(self, link: PeerHandle, size: int,
                        progress: _Progress) -> dict[str, Any]:
@@ -228,15 +260,14 @@ class ChunkSweep:
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    async def _perftest_bandwidth(self, link: PeerHandle, size: int,
-                                  progress: _Progress) -> dict[str, Any]:
+    async def _perftest_bandwidth(self, link: PeerHandle, size: int, writes: int,
+                                  progress: _Progress) -> perftest.BandwidthFigures:
         phase = f"perftest bandwidth {format_size(size)}"
         progress(phase, 0, 1, force=True)
-        bw_iters = max(5, self.params.stream_writes(size))
-        out = await self._perftest_pair(link, "ib_write_bw", size, bw_iters)
-        bw = perftest.parse_bandwidth(out, size)
+        out = await self._perftest_pair(link, "ib_write_bw", size,
+                                        max(PERFTEST_MIN_ITERS, writes))
         progress(phase, 1, 1)
-        return {"perftest_gbps": bw.gbps, "perftest_writes_per_s": bw.mpps * 1e6}
+        return perftest.parse_bandwidth(out, size)
 
     async def _against_socket_loop(self, link: PeerHandle, size: int,
                                    progress: _Progress) -> dict[str, Any]:
@@ -252,13 +283,13 @@ class ChunkSweep:
         delivered: list[dict[str, Any]] = []
         looped: list[float] = []
         phase = f"socket loop {format_size(size)}"
-        for n in range(SOCKET_LOOP_ROUNDS):
+        for n in range(ROUNDS):
             if self.params.deliver:
                 delivered.append(await self._deliver(link, size, progress))
-            progress(phase, n, SOCKET_LOOP_ROUNDS, force=True)
+            progress(phase, n, ROUNDS, force=True)
             looped += await baseline.measure_socket_loop(
                 link, f"{self.req}-socket-{size}-{n}", spec)
-            progress(phase, n + 1, SOCKET_LOOP_ROUNDS)
+            progress(phase, n + 1, ROUNDS)
         median = statistics.median(looped)
         row: dict[str, Any] = {"socket_seconds": median, "socket_rounds": looped,
                                "socket_gbps": analysis.gbps(spec.total, median)}
@@ -293,10 +324,14 @@ class ChunkSweep:
         bandwidth = {row["size"]: row["stream_gbps"] for row in self.rows}
         layout = KVLayout()
         knee = analysis.knee(bandwidth)
+        could_be = analysis.knee_range({row["size"]: row["stream_rounds_gbps"]
+                                        for row in self.rows})
         chunk, why = analysis.recommend_chunk(bandwidth, layout.layer_bytes)
         return {"peer": link.name, "sender": self.daemon.config.name,
                 **self.daemon.transport.describe(),
                 "sizes": list(self.params.sizes), "knee_bytes": knee,
+                # The sizes the knee could be, given each size's rounds.
+                "knee_range_bytes": list(could_be) if could_be else None,
                 "peak_gbps": max(bandwidth.values()) if bandwidth else None,
                 "recommended_chunk_bytes": chunk, "recommendation": why,
                 "baseline": self.params.baseline or None}

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import UsageError
-from ..units import parse_size
+from ..layout import KVLayout
+from ..units import format_size, parse_size
+from .plan import PlannedPhase
 
 MiB = 1 << 20
 DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
@@ -19,9 +21,11 @@ PERFTEST_TRIES = 3
 # perftest: ib_write_lat/ib_write_bw; socket: a plain socket loop moving the
 # 48 MiB cache at each size, against which the delivery is compared.
 BASELINES = ("", "perftest", "socket")
-SOCKET_LOOP_ROUNDS = 3
-# ib_write_lat runs per size, each beside a round of our pings (drift: see chunk_sweep).
-PERFTEST_LATENCY_ROUNDS = 3
+# Every figure is measured in rounds, and a figure compared with a baseline
+# alternates with it round by round (drift: see chunk_sweep): the rounds'
+# spread is how steady the figure is, the median what it is.
+ROUNDS = 3
+PERFTEST_MIN_ITERS = 5  # perftest refuses fewer
 PROGRESS_EVERY = 0.2  # seconds between progress messages
 
 
@@ -69,3 +73,53 @@ class SweepParams:
 
     def stream_writes(self, size: int) -> int:
         return max(self.MIN_STREAM, self.stream_bytes // size)
+
+    def pings_per_round(self, size: int) -> int:
+        return max(1, -(-self.pings(size) // ROUNDS))
+
+    def stream_writes_per_round(self, size: int) -> int:
+        return max(self.MIN_STREAM, -(-self.stream_writes(size) // ROUNDS))
+
+    def phases(self) -> list[PlannedPhase]:
+        """The phases the sweep reports, in order, with the work each does."""
+        return [phase for size in self.sizes for phase in self._phases_of(size)]
+
+    def _phases_of(self, size: int) -> list[PlannedPhase]:
+        name = format_size(size)
+        cache = KVLayout()
+        per_layer = -(-cache.layer_bytes // size)
+        deliver = PlannedPhase(f"deliver 48 MiB at {name}", per_layer * cache.layers,
+                               cache.total_bytes, 1)
+        out = []
+        pings = self.pings_per_round(size) if self.baseline == "perftest" else self.pings(size)
+        latency_rounds = ROUNDS if self.baseline == "perftest" else 1
+        for _ in range(latency_rounds):
+            trips = ping_warmup(pings) + pings
+            out.append(PlannedPhase(f"latency {name}", 2 * trips, 2 * trips * size))
+            if self.baseline == "perftest":
+                iters = max(PERFTEST_MIN_ITERS, pings)
+                out.append(PlannedPhase(f"perftest latency {name}", 2 * iters,
+                                        2 * iters * size, 1))
+        writes = self.stream_writes_per_round(size)
+        if self.baseline == "perftest":
+            iters = max(PERFTEST_MIN_ITERS, writes)
+            for _ in range(ROUNDS):
+                out.append(PlannedPhase(f"stream {name}", writes, writes * size))
+                out.append(PlannedPhase(f"perftest bandwidth {name}", iters, iters * size, 1))
+        else:  # the rounds back to back: one phase
+            out.append(PlannedPhase(f"stream {name}", ROUNDS * writes, ROUNDS * writes * size))
+        if self.baseline == "socket":
+            loop_writes = max(1, cache.total_bytes // size)
+            for _ in range(ROUNDS):
+                if self.deliver:
+                    out.append(deliver)
+                out.append(PlannedPhase(f"socket loop {name}", loop_writes,
+                                        loop_writes * size, 1))
+        elif self.deliver:
+            out.append(deliver)
+        return out
+
+
+def ping_warmup(pings: int) -> int:
+    """Unmeasured round trips before ``pings`` measured ones."""
+    return min(10, max(1, pings // 10))
