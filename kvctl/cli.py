@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "vllm: vLLM prefill and decode servers through kvwire and the proxy, "
                       "against one engine (needs make vllm-env)")
     demo.add_argument("--repeat", type=int, default=3, help="netns: pushes per granularity")
+    demo.add_argument("--full", action="store_true",
+                      help="lab: also the ping-pong and ib_write_lat beyond 8 MiB (48 MiB: "
+                      "about three minutes more)")
     return parser
 
 
@@ -213,7 +216,7 @@ def _run(args: argparse.Namespace) -> int:
         if args.where == "lab":
             from .lab.demo import lab_demo
 
-            lab_demo()
+            lab_demo(full=args.full)
             return 0
         if args.where == "vllm":
             from .vllm.demo import vllm_demo

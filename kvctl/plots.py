@@ -61,6 +61,7 @@ def _range(rounds: list[float] | None) -> list[float] | None:
 
 def sweep_latency(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
+    rows = [r for r in rows if "lat_p50_us" in r]  # sizes with a ping-pong
     sizes = [r["size"] for r in rows]
     _with_spread(ax, sizes, [r["lat_p50_us"] for r in rows],
                  [_range(r.get("lat_rounds_p50_us")) for r in rows], "o-",
@@ -86,7 +87,8 @@ def sweep_latency(rows: list[dict[str, Any]], path: Path, title: str) -> Path:
 
 
 def sweep_bandwidth(rows: list[dict[str, Any]], path: Path, title: str,
-                    knee: int | None, recommended: int | None) -> Path:
+                    knee: int | None, recommended: int | None,
+                    knee_range: list[int] | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     sizes = [r["size"] for r in rows]
     _with_spread(ax, sizes, [r["stream_gbps"] for r in rows],
@@ -112,6 +114,10 @@ def sweep_bandwidth(rows: list[dict[str, Any]], path: Path, title: str,
                 fontsize=8, color="grey")
     if knee is not None:
         ax.axvline(knee, color="tab:red", linestyle="--", label=f"knee {format_size(knee)}")
+    if knee_range and knee_range[0] != knee_range[1]:
+        ax.axvspan(knee_range[0], knee_range[1], color="tab:red", alpha=0.08,
+                   label=f"knee within the rounds' spread: {format_size(knee_range[0])} to "
+                         f"{format_size(knee_range[1])}")
     if recommended is not None and recommended != knee:
         ax.axvline(recommended, color="tab:green", linestyle=":",
                    label=f"recommended {format_size(recommended)}")

@@ -9,6 +9,7 @@ from kvwired.addresses import DEFAULT_CONTROL_PORT, RECEIVER_METRICS_PORT, SENDE
 
 from .. import table
 from . import machine
+from .health import broken_rails
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,7 +40,15 @@ def main(args: argparse.Namespace) -> int:
             print("no lab (start one with `kvctl lab up`)")
             return 1
         _print_nodes(current, health)
-        return 0 if all(h == "up" for h in health.values()) else 1
+        if not all(h == "up" for h in health.values()):
+            return 1
+        broken = broken_rails(current)
+        for rail in broken:
+            print(f"wire down: {rail} (ping from prefill to decode fails; "
+                  "`kvctl lab down` and `up` gives a new one)")
+        if not broken:
+            print("every wire passes packets (ping from prefill to decode)")
+        return 1 if broken else 0
     if args.lab_command == "down":
         for line in machine.down():
             print(line)

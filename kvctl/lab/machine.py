@@ -345,14 +345,16 @@ def _wait_for(ready: Callable[[], bool], timeout: float, node: str, state: LabSt
         for other in state.nodes.values():
             if not alive(other.pid):
                 raise LabError(f"node {other.name} stopped while booting:\n"
-                               f"{_tail(other)}", hint="the console log above says why")
+                               f"{console_tail(other)}",
+                               hint="the console log above says why")
         time.sleep(0.25)
-    raise LabError(f"node {node} not ready within {timeout:g} s:\n{_tail(state.nodes[node])}",
+    raise LabError(f"node {node} not ready within {timeout:g} s:\n"
+                   f"{console_tail(state.nodes[node])}",
                    hint="a loaded host boots slower under emulation; "
                    "KVWIRE_LAB_BOOT_TIMEOUT raises the limit")
 
 
-def _tail(node: NodeState, lines: int = 25) -> str:
+def console_tail(node: NodeState, lines: int = 25) -> str:
     text = ""
     for path in (Path(node.console), STATE_DIR / f"{node.name}.qemu.log"):
         with contextlib.suppress(OSError):

@@ -97,24 +97,25 @@ def render(run: SweepRun) -> str:
     if socket:
         headers += ["loop 48 MiB ms", "48 MiB xloop"]
     body = []
+    by_size = {entry["size"]: entry for entry in ratios(run.rows)}
     for r in run.rows:
-        line: list[object] = [
-            format_size(r["size"]), f"{r['lat_p50_us']:.1f}", f"{r['lat_p99_us']:.1f}",
-            f"{r['lat_p999_us']:.1f}", r["lat_samples"], f"{r['stream_gbps']:.3f}",
-            f"{r['stream_writes_per_s']:,.0f}",
-            f"{r['deliver_seconds'] * 1e3:.0f}" if "deliver_seconds" in r else "-"]
+        ratio = by_size.get(r["size"], {})
+        line: list[object] = [format_size(r["size"])]
+        if "lat_p50_us" in r:
+            line += [f"{r['lat_p50_us']:.1f}", f"{r['lat_p99_us']:.1f}",
+                     f"{r['lat_p999_us']:.1f}", r["lat_samples"]]
+        else:  # beyond --latency-up-to
+            line += ["-"] * 4
+        line += [f"{r['stream_gbps']:.3f}", f"{r['stream_writes_per_s']:,.0f}",
+                 f"{r['deliver_seconds'] * 1e3:.0f}" if "deliver_seconds" in r else "-"]
         if perftest:
-            if "perftest_gbps" in r:
-                line += [f"{r['perftest_lat_typical_us']:.1f}", f"{r['perftest_gbps']:.3f}",
-                         _times(r["latency_ratio"]), _times(r.get("bandwidth_ratio"))]
-            else:
-                line += ["-"] * 4
+            line += [_number(r.get("perftest_lat_typical_us"), ".1f"),
+                     _number(r.get("perftest_gbps"), ".3f"),
+                     _times(ratio.get("latency_ratio")), _times(ratio.get("bandwidth_ratio"))]
         if socket:
-            if "socket_seconds" in r:
-                line += [f"{r['socket_seconds'] * 1e3:.0f}",
-                         _times(analysis.ratio(r.get("deliver_seconds"), r["socket_seconds"]))]
-            else:
-                line += ["-"] * 2
+            line += [_number(r["socket_seconds"] * 1e3 if "socket_seconds" in r else None,
+                             ".0f"),
+                     _times(ratio.get("delivery_time_ratio"))]
         body.append(line)
     lines = ["chunk-sweep: half round trip (WRITE_WITH_IMM ping-pong), streaming writes, "
              "and the 48 MiB cache delivered at each size", table.render(headers, body)]
@@ -154,6 +155,10 @@ def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def write_outputs(run: SweepRun, out_dir: Path) -> list[Path]:
     paths = results.write(out_dir, "chunk-sweep", run.document(), run.rows)
     if not run.rows:
@@ -167,5 +172,6 @@ def write_outputs(run: SweepRun, out_dir: Path) -> list[Path]:
     paths.append(plots.sweep_bandwidth(run.rows, out_dir / "chunk-sweep-bandwidth.png",
                                        f"Bandwidth vs write size {where}{suffix}",
                                        summary.get("knee_bytes"),
-                                       summary.get("recommended_chunk_bytes")))
+                                       summary.get("recommended_chunk_bytes"),
+                                       summary.get("knee_range_bytes")))
     return paths

@@ -30,6 +30,9 @@ def add_parsers(commands: Any) -> None:
                        help="at most this many bytes moved per size by the ping-pong")
     sweep.add_argument("--stream-bytes", type=_size, default=64 << 20,
                        help="bytes streamed per size for the bandwidth figure")
+    sweep.add_argument("--latency-up-to", type=_size, metavar="SIZE",
+                       help="the ping-pong (and ib_write_lat) only at sizes up to SIZE; larger "
+                       "ones get streaming and the delivery (default: every size)")
     sweep.add_argument("--no-deliver", action="store_true",
                        help="skip pushing the 48 MiB cache at each size")
     sweep.add_argument("--baseline", choices=["perftest", "socket"],
@@ -127,7 +130,7 @@ async def _chunk_sweep(args: argparse.Namespace) -> int:
         "peer": args.peer or "", "sizes": args.sizes or list(DEFAULT_SIZES),
         "iters": args.iters, "latency_bytes": args.latency_bytes,
         "stream_bytes": args.stream_bytes, "deliver": not args.no_deliver,
-        "baseline": args.baseline or ""}
+        "baseline": args.baseline or "", "latency_up_to": args.latency_up_to}
     from ..progress import PhaseProgress  # rich: the ctl extra
 
     progress = PhaseProgress(enabled=not args.quiet, plan=SweepParams.from_wire(params).phases())

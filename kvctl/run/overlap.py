@@ -213,6 +213,7 @@ async def _measure(client: SenderClient, params: OverlapParams, run: OverlapRun,
     run.transfer_s = tx
     for ratio in params.ratios:
         phase = f"Tc/Tx = {ratio:g}"
+        progress.update(phase, 0, params.repeats)  # a phase is timed from its first report
         pairs: list[tuple[float, _Timed, _Timed]] = []
         during: list[float] = []  # T_x per layer, seen by this ratio's sequential pushes
         for n in range(params.repeats):

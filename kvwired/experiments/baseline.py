@@ -100,7 +100,7 @@ class BaselineService:
             gid = pick_gid(session.conn.local_host, cfg.rdma_device, cfg.gid_index)
             port = free_port("")
             proc = await perftest.start_server(
-                perftest.command(msg.tool, gid, msg.size, msg.iters, port))
+                perftest.command(msg.tool, gid, msg.size, msg.iters, port), port)
         except KvwireError as exc:
             session.conn.send(ctl.Refused(req=req, error=exc.to_wire()))
             return

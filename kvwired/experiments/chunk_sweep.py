@@ -113,7 +113,9 @@ class ChunkSweep:
     async def _measure(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
         row: dict[str, Any] = {"size": size}
-        if self.params.baseline == "perftest":
+        if not self.params.measures_latency(size):
+            pass  # beyond --latency-up-to: streaming and the delivery only
+        elif self.params.baseline == "perftest":
             row.update(await self._latency_against_perftest(link, echo, index, size, progress))
         else:
             row.update(await self._latency(link, echo, index, size, progress))
@@ -164,6 +166,7 @@ class ChunkSweep:
         """``pings`` round trips (after a few unmeasured ones), in seconds."""
         warmup = ping_warmup(pings)
         phase = f"latency {format_size(size)}"
+        progress(phase, 0, pings, force=True)  # a phase is timed from its first report
         rtts = []
         for n in range(warmup + pings):
             rtt = await echo.ping(self._channel(link, echo), index, self.params.ping_timeout,
@@ -193,6 +196,7 @@ class ChunkSweep:
             progress(f"perftest latency {format_size(size)}", n, ROUNDS, force=True)
             out = await self._perftest_pair(link, "ib_write_lat", size,
                                             max(PERFTEST_MIN_ITERS, per_round))
+            progress(f"perftest latency {format_size(size)}", n + 1, ROUNDS, force=True)
             theirs = perftest.parse_latency(out, size)
             rtts += ours
             round_p50s.append(analysis.half_rtt_latency(ours).p50_us)
@@ -211,7 +215,9 @@ class ChunkSweep:
 
     async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
-        """Streaming in rounds; with perftest, an ib_write_bw run after each.
+        """Streaming in rounds; with perftest, an ib_write_bw run after each
+        (or one, in the middle, at sizes where its minimum is a lot: see
+        ``SweepParams.perftest_bandwidth_runs``).
 
         The bandwidth ratio is the median of the rounds' own ratios, each
         round set against the perftest run beside it (as the latency's).
@@ -221,11 +227,14 @@ class ChunkSweep:
         seconds: list[float] = []
         theirs: list[perftest.BandwidthFigures] = []
         for n in range(ROUNDS):
+            progress(phase, n * count, count * ROUNDS, force=True)
+
             def counted(done: int, before: int = n * count) -> None:
                 progress(phase, before + done, count * ROUNDS)  # the rounds' writes together
 
             seconds.append(await echo.stream(self._channel(link, echo), size, count, counted))
-            if self.params.baseline == "perftest":
+            progress(phase, (n + 1) * count, count * ROUNDS, force=True)
+            if self.params.baseline == "perftest" and self.params.perftest_after_round(size, n):
                 theirs.append(await self._perftest_bandwidth(link, size, count, progress))
         total = count * ROUNDS
         elapsed = sum(seconds)
@@ -238,7 +247,9 @@ class ChunkSweep:
             "stream_writes_per_s": count / median if median else 0.0,
             "stream_rounds_gbps": rounds_gbps}
         if theirs:
-            ratios = [r for ours, bw in zip(rounds_gbps, theirs, strict=True)
+            # Each round against the perftest run beside it, or all against the one run.
+            beside = theirs if len(theirs) == len(rounds_gbps) else theirs * len(rounds_gbps)
+            ratios = [r for ours, bw in zip(rounds_gbps, beside, strict=True)
                       if (r := analysis.ratio(ours, bw.gbps)) is not None]
             row.update(perftest_gbps=statistics.median(bw.gbps for bw in theirs),
                        perftest_writes_per_s=statistics.median(bw.mpps for bw in theirs) * 1e6,

@@ -21,6 +21,8 @@ from ..errors import PerftestFailed, UsageError
 from ..rdma import GidEntry
 
 TOOLS = ("ib_write_lat", "ib_write_bw")
+LISTEN_TIMEOUT = 10.0  # seconds a server may take to listen before the client tries anyway
+LISTEN_POLL = 0.02
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,43 @@ async def run(args: list[str], timeout: float) -> tuple[int, str]:
     return proc.returncode or 0, out.decode(errors="replace")
 
 
-async def start_server(args: list[str]) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
+async def start_server(args: list[str], port: int,
+                       timeout: float = LISTEN_TIMEOUT) -> asyncio.subprocess.Process:
+    """The server side, once it listens on ``port``.
+
+    Answering before it listens sent the client into perftest's "Couldn't
+    connect" and a retry: a second process start, a second or more on an
+    emulated CPU, for every run.
+    """
+    proc = await asyncio.create_subprocess_exec(
         *args, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         stdin=asyncio.subprocess.DEVNULL)
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not listening(port):
+        if proc.returncode is not None:
+            raise PerftestFailed(f"{args[0].rsplit('/', 1)[-1]} server exited with "
+                                 f"{proc.returncode} before listening")
+        if asyncio.get_running_loop().time() > deadline:
+            break  # the client's own retries take over, as before
+        await asyncio.sleep(LISTEN_POLL)
+    return proc
+
+
+def listening(port: int) -> bool:
+    """Whether a TCP socket of this host listens on ``port`` (/proc/net/tcp{,6})."""
+    wanted = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows, None)
+                for row in rows:
+                    fields = row.split()
+                    # local_address is ADDR:PORT in hex; state 0A is LISTEN.
+                    if len(fields) > 3 and fields[1].endswith(wanted) and fields[3] == "0A":
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 def kill(proc: asyncio.subprocess.Process) -> None:

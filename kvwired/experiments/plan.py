@@ -2,12 +2,13 @@
 
 An experiment's parameters fix its phases before it starts: per size the
 pings, the streamed writes, the perftest runs, the 48 MiB delivery. Each
-planned phase counts its work in three units whose costs a link decides:
-writes (per-descriptor cost), bytes (bandwidth) and start-ups (a perftest
-process, a request's lease). The estimate fits those three costs to the
-phases already finished, so it needs no guess at the link's speed: after
-the first small-size phases it knows the per-write cost, after the first
-large ones the per-byte cost.
+planned phase counts its work in four units whose costs a link decides:
+writes (per-descriptor cost), bytes streamed (bandwidth), bytes exchanged
+by round trips (one way at a time: latency), and start-ups (a perftest
+process, a request's lease). The estimate fits those costs to the phases
+already finished, so it needs no guess at the link's speed: after the first
+small-size phases it knows the per-write cost, after the larger ones the
+per-byte costs.
 """
 
 from __future__ import annotations
@@ -21,38 +22,47 @@ from dataclasses import dataclass, field
 class PlannedPhase:
     phase: str  # as progress names it ("stream 2 MiB")
     writes: int = 0
-    bytes: int = 0
+    bytes: int = 0  # streamed: writes back to back, the link kept busy
     startups: int = 0
+    # Moved by round trips, one way at a time: a byte costs more than streamed.
+    exchanged: int = 0
 
-    def units(self) -> tuple[float, float, float]:
-        return (float(self.writes), float(self.bytes), float(self.startups))
+    def units(self) -> tuple[float, float, float, float]:
+        return (float(self.writes), float(self.bytes), float(self.startups),
+                float(self.exchanged))
 
 
 def _solve(rows: Sequence[tuple[float, ...]], times: Sequence[float],
            columns: Sequence[int]) -> list[float] | None:
-    """Least squares over ``columns`` only (normal equations, Gauss-Jordan)."""
+    """Least squares over ``columns`` only; None if they cannot be told apart.
+
+    Each column is scaled to its largest value first: bytes run to 1e8 where
+    start-ups are 1, and unscaled normal equations would lose the small ones.
+    """
+    scale = [max(abs(r[c]) for r in rows) or 1.0 for c in columns]
+    x = [[r[c] / s for c, s in zip(columns, scale, strict=True)] for r in rows]
     n = len(columns)
-    a = [[sum(r[i] * r[j] for r in rows) for j in columns] for i in columns]
-    b = [sum(r[i] * t for r, t in zip(rows, times, strict=True)) for i in columns]
+    a = [[sum(r[i] * r[j] for r in x) for j in range(n)] for i in range(n)]
+    b = [sum(r[i] * t for r, t in zip(x, times, strict=True)) for i in range(n)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(x) for row in a for x in row)):
+        if abs(a[pivot][col]) < 1e-9:
             return None
         a[col], a[pivot] = a[pivot], a[col]
         b[col], b[pivot] = b[pivot], b[col]
         for other in range(n):
             if other != col:
                 factor = a[other][col] / a[col][col]
-                a[other] = [x - factor * y for x, y in zip(a[other], a[col], strict=True)]
+                a[other] = [p - factor * q for p, q in zip(a[other], a[col], strict=True)]
                 b[other] -= factor * b[col]
-    return [b[i] / a[i][i] for i in range(n)]
+    return [b[i] / a[i][i] / scale[i] for i in range(n)]
 
 
 def fit_costs(rows: Sequence[tuple[float, ...]], times: Sequence[float]) -> tuple[float, ...]:
     """Non-negative seconds per unit that best explain ``times``.
 
-    Every subset of the units is tried (three units: seven fits) and the best
-    fit with no negative cost wins; units no finished phase used stay 0.
+    Every subset of the units is tried (four units: fifteen fits) and the
+    best fit with no negative cost wins; units no finished phase used stay 0.
     """
     width = len(rows[0]) if rows else 0
     best: tuple[float, tuple[float, ...]] | None = None

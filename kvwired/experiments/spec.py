@@ -41,6 +41,10 @@ class SweepParams:
     deliver: bool = True
     baseline: str = ""
     ping_timeout: float = 10.0
+    # The ping-pong (and ib_write_lat) only up to this size: beyond a layer a
+    # round trip is two transfers, which streaming and the delivery measure,
+    # and at 48 MiB perftest's five round trips alone take half a minute.
+    latency_up_to: int | None = None
 
     MIN_PINGS = 3
     MIN_STREAM = 2
@@ -56,7 +60,9 @@ class SweepParams:
                 stream_bytes=parse_size(params.get("stream_bytes", 64 * MiB)),
                 deliver=bool(params.get("deliver", True)),
                 baseline=str(params.get("baseline") or ""),
-                ping_timeout=float(params.get("ping_timeout", 10.0)))
+                ping_timeout=float(params.get("ping_timeout", 10.0)),
+                latency_up_to=(parse_size(params["latency_up_to"])
+                               if params.get("latency_up_to") else None))
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"bad chunk-sweep parameters: {exc}") from exc
         if not sizes or min(sizes) < 1 or len(sizes) > 64:
@@ -68,6 +74,9 @@ class SweepParams:
                              hint="use perftest (RDMA) or socket (a plain TCP loop)")
         return built
 
+    def measures_latency(self, size: int) -> bool:
+        return self.latency_up_to is None or size <= self.latency_up_to
+
     def pings(self, size: int) -> int:
         return max(self.MIN_PINGS, min(self.iters, self.latency_bytes // (2 * size)))
 
@@ -78,7 +87,19 @@ class SweepParams:
         return max(1, -(-self.pings(size) // ROUNDS))
 
     def stream_writes_per_round(self, size: int) -> int:
-        return max(self.MIN_STREAM, -(-self.stream_writes(size) // ROUNDS))
+        return max(1, -(-self.stream_writes(size) // ROUNDS))
+
+    def perftest_bandwidth_runs(self, size: int) -> int:
+        """ib_write_bw runs beside the streaming rounds: one per round, or one
+        in the middle where perftest's five writes at least already move more
+        than all the streaming (8 MiB and 48 MiB by default: three runs at
+        48 MiB cost half a minute and pair with rounds of one write)."""
+        if PERFTEST_MIN_ITERS * size > self.stream_bytes:
+            return 1
+        return ROUNDS
+
+    def perftest_after_round(self, size: int, n: int) -> bool:
+        return self.perftest_bandwidth_runs(size) == ROUNDS or n == ROUNDS // 2
 
     def phases(self) -> list[PlannedPhase]:
         """The phases the sweep reports, in order, with the work each does."""
@@ -93,19 +114,24 @@ class SweepParams:
         out = []
         pings = self.pings_per_round(size) if self.baseline == "perftest" else self.pings(size)
         latency_rounds = ROUNDS if self.baseline == "perftest" else 1
+        if not self.measures_latency(size):
+            latency_rounds = 0
         for _ in range(latency_rounds):
             trips = ping_warmup(pings) + pings
-            out.append(PlannedPhase(f"latency {name}", 2 * trips, 2 * trips * size))
+            out.append(PlannedPhase(f"latency {name}", 2 * trips,
+                                    exchanged=2 * trips * size))
             if self.baseline == "perftest":
                 iters = max(PERFTEST_MIN_ITERS, pings)
-                out.append(PlannedPhase(f"perftest latency {name}", 2 * iters,
-                                        2 * iters * size, 1))
+                out.append(PlannedPhase(f"perftest latency {name}", 2 * iters, startups=1,
+                                        exchanged=2 * iters * size))
         writes = self.stream_writes_per_round(size)
         if self.baseline == "perftest":
             iters = max(PERFTEST_MIN_ITERS, writes)
-            for _ in range(ROUNDS):
+            for n in range(ROUNDS):
                 out.append(PlannedPhase(f"stream {name}", writes, writes * size))
-                out.append(PlannedPhase(f"perftest bandwidth {name}", iters, iters * size, 1))
+                if self.perftest_after_round(size, n):
+                    out.append(PlannedPhase(f"perftest bandwidth {name}", iters, iters * size,
+                                            1))
         else:  # the rounds back to back: one phase
             out.append(PlannedPhase(f"stream {name}", ROUNDS * writes, ROUNDS * writes * size))
         if self.baseline == "socket":

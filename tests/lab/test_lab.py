@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -9,14 +10,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from kvctl.lab import health
 from kvctl.lab import link_perftest as perftest
-from kvctl.lab.machine import LabState, run_in
+from kvctl.lab.demo import run_step
+from kvctl.lab.machine import SHARED_DIR, LabState, run_in
 from kvctl.processes import alive
+
+from ..waiting import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -47,6 +53,46 @@ def test_exec_streams_output_and_returns_the_exit_code(lab: LabState) -> None:
     assert result.stderr == "oops\n"
     missing = kvctl("lab", "exec", "decode", "--", "no-such-command")
     assert missing.returncode == 127 and "cannot run no-such-command" in missing.stderr
+
+
+# A step in a node: progress lines, then a wait at a gate only the test opens.
+_GATED_STEP = """
+import pathlib, time
+from kvctl.progress import PhaseProgress
+from kvwired.experiments.plan import PlannedPhase
+with PhaseProgress(plan=[PlannedPhase("first", 10), PlannedPhase("second", 10)]) as shown:
+    shown.update("first", 10, 10)
+    shown.update("second", 0, 10)
+    while not pathlib.Path({gate!r}).exists():
+        time.sleep(0.05)
+    shown.update("second", 10, 10)
+print("figures")
+"""
+
+
+def test_a_steps_progress_reaches_the_host_while_the_step_runs(lab: LabState) -> None:
+    # make demo's path: run_step relays the node's output as it arrives. The
+    # step cannot end before the test opens the gate, and the test opens it
+    # only once the first phase's line has reached the host.
+    gate = SHARED_DIR / f"gate-{os.getpid()}"
+    gate.unlink(missing_ok=True)
+    shown = io.StringIO()
+    outcome: list[str] = []
+    step = threading.Thread(target=lambda: outcome.append(run_step(
+        lab, "a gated step", [sys.executable, "-c", _GATED_STEP.format(gate=str(gate))],
+        shown)))
+    step.start()
+    try:
+        wait_until(lambda: "  first: 10/10 in " in shown.getvalue(), timeout=120,
+                   what="the first phase's line on the host")
+        assert step.is_alive() and not outcome  # still at the gate
+    finally:
+        gate.touch()
+        step.join(120)
+    assert outcome == ["figures\n"]
+    second = next(line for line in shown.getvalue().splitlines() if "second: 10/10" in line)
+    assert "left" in second and "phase 2 of 2" in second  # elapsed and left, from the plan
+    gate.unlink()
 
 
 def test_each_rail_has_its_own_active_rxe_device_and_subnet(lab: LabState) -> None:
@@ -149,6 +195,20 @@ def test_management_ports_reach_the_nodes_from_host_loopback(lab: LabState) -> N
     assert b"kvwired" in reply
 
 
+def test_a_dead_wire_is_found_and_coming_back_up_revives_it(lab: LabState) -> None:
+    # What a failed lab test does (tests/lab/conftest.py), on a wire cut on purpose.
+    code, _, err = run_in("decode", ["ip", "link", "set", "wire1", "down"], state=lab)
+    assert code == 0, err
+    try:
+        (broken,) = health.broken_rails(lab, timeout=1)
+        assert broken.startswith(f"wire1 ({lab.nodes['decode'].rail_addresses[1]})")
+        assert "--- decode: links" in health.diagnose(lab)
+    finally:
+        health.bounce(lab)
+    wait_until(lambda: not health.broken_rails(lab, timeout=1), timeout=60,
+               what="both wires passing packets again")
+
+
 def test_status_lists_the_ports_and_a_second_lab_is_refused(lab: LabState) -> None:
     status = kvctl("lab", "status")
     assert status.returncode == 0
@@ -157,6 +217,7 @@ def test_status_lists_the_ports_and_a_second_lab_is_refused(lab: LabState) -> No
         wires = ", ".join(f"{address} (wire{rail}, rxe{rail})"
                           for rail, address in enumerate(node.rail_addresses))
         assert re.search(rf"{node.name}\s+up\s+{re.escape(wires)}", status.stdout)
+    assert "every wire passes packets" in status.stdout
     second = kvctl("lab", "up")
     assert second.returncode == 2
     assert "already up" in second.stderr and "kvctl lab down" in second.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -151,3 +153,50 @@ def test_a_ceiling_needs_samples_and_a_schedule_needs_a_buffer() -> None:
         analysis.jitter_ceiling(1.0, [], 24)
     with pytest.raises(ValueError, match="at least one buffer"):
         analysis.overlapped_seconds(1.0, [1.0], 0)
+
+
+_rounds = st.lists(st.floats(1e-3, 1e3), min_size=1, max_size=9)
+
+
+@given(_rounds)
+def test_the_spread_contains_the_median(rounds: list[float]) -> None:
+    figure = analysis.spread(rounds)
+    assert figure is not None
+    if len(rounds) == 1:  # one round says nothing about how steady it is
+        assert figure.low is figure.high is None and figure.to_wire() is None
+        assert not figure.wider_than_effect()
+    else:
+        assert figure.low is not None and figure.high is not None
+        assert figure.low <= figure.median <= figure.high
+        assert figure.to_wire() == [min(rounds), max(rounds)]
+
+
+def test_no_rounds_no_figure() -> None:
+    assert analysis.spread([]) is None
+
+
+def test_a_spread_wider_than_the_effect_is_said_to_be() -> None:
+    assert not analysis.Spread(1.30, 1.25, 1.40).wider_than_effect()
+    assert analysis.Spread(1.04, 0.81, 1.30).wider_than_effect()  # both sides of 1
+    assert analysis.Spread(1.10, 1.01, 1.35).wider_than_effect()  # 0.34 wide, 0.10 away
+    assert analysis.Spread(0.57, 0.55, 0.60).wider_than_effect() is False
+
+
+@given(st.dictionaries(st.integers(1, 1 << 26), _rounds, min_size=1, max_size=10))
+def test_the_knee_lies_within_the_sizes_it_could_be(rounds: dict[int, list[float]]) -> None:
+    medians = {size: statistics.median(r) for size, r in rounds.items()}
+    knee = analysis.knee(medians)
+    could_be = analysis.knee_range(rounds)
+    assert could_be is not None and knee is not None
+    earliest, latest = could_be
+    assert earliest <= knee <= latest
+    line = 0.9 * max(medians.values())
+    # Nothing smaller than the earliest had a single round reaching the line.
+    assert all(max(r) < line for size, r in rounds.items() if size < earliest)
+
+
+def test_rounds_that_agree_pin_the_knee() -> None:
+    rounds = {512: [0.1, 0.1], 8192: [0.5, 0.5], 65536: [1.0, 1.0]}
+    assert analysis.knee_range(rounds) == (65536, 65536)
+    wobbly = {512: [0.1, 0.1], 8192: [0.6, 0.95], 65536: [0.85, 1.0], 1 << 20: [0.95, 1.0]}
+    assert analysis.knee_range(wobbly) == (8192, 1 << 20)

@@ -16,6 +16,7 @@ from kvctl.run import chunk_sweep, overlap
 from kvwired import analysis
 from kvwired.client import SenderClient
 from kvwired.errors import ExperimentFailed, KvwireError, PeerLost, UsageError
+from kvwired.experiments.spec import ROUNDS, SweepParams
 from kvwired.layout import RequestShape
 
 from ..conftest import LocalDaemons, until
@@ -55,7 +56,18 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     assert summary["knee_bytes"] in SIZES
     assert summary["recommended_chunk_bytes"] == summary["knee_bytes"]  # all within a layer
     assert summary["peak_gbps"] == max(row["stream_gbps"] for row in run.rows)
-    assert "latency 512 B" in phases and "stream 64 KiB" in phases
+    # The phases reported are the plan's, one for one, in order: the progress
+    # estimate follows the plan, so a phase it does not know would stall it.
+    reported = [p for n, p in enumerate(phases) if n == 0 or phases[n - 1] != p]
+    planned = SweepParams.from_wire({**FAST, "peer": "decode"}).phases()
+    assert reported == [p.phase for p in planned]
+    # Streaming ran in rounds: the row's figure is the median round, the
+    # knee comes with the sizes it could be.
+    for row in run.rows:
+        assert len(row["stream_rounds_gbps"]) == ROUNDS
+        assert row["stream_gbps"] == statistics.median(row["stream_rounds_gbps"])
+    earliest, latest = summary["knee_range_bytes"]
+    assert earliest <= summary["knee_bytes"] <= latest
     # Everything it leased is back: the echo slot, the discarded deliveries.
     assert roomy.receiver.pool is not None and roomy.sender.staging is not None
     await until(lambda: roomy.receiver.pool.used_bytes == 0, what="the receive pool empty")
@@ -140,7 +152,16 @@ async def test_overlap_measures_both_schedules_at_every_ratio(roomy: LocalDaemon
                                                              tmp_path: Path) -> None:
     params = overlap.OverlapParams(peer="decode", ratios=(0.0, 1.0, 2.0), layers=6,
                                    layer_bytes=1 << 20, repeats=2, layer_compute=0.0005)
-    run = await overlap.run_overlap(roomy.sender_socket, params, quiet())
+    phases: list[str] = []
+
+    class Recording(PhaseProgress):
+        def update(self, phase: str, done: int, total: int) -> None:
+            if not phases or phases[-1] != phase:
+                phases.append(phase)
+            super().update(phase, done, total)
+
+    run = await overlap.run_overlap(roomy.sender_socket, params, Recording(enabled=False))
+    assert phases == [p.phase for p in params.phases()]  # the plan the estimate follows
     assert run.error is None and run.complete
     assert run.transfer_s is not None and run.transfer_s > 0
     assert len(run.transfer_samples) == 2 * 6
@@ -173,6 +194,9 @@ async def test_overlap_measures_both_schedules_at_every_ratio(roomy: LocalDaemon
         assert 0.0 <= row["overlapped_stall_s"] < max(row["overlapped_samples_s"])
         assert row["compute_overshoot_s"] >= 0.0
     assert run.rows[0]["compute_overshoot_s"] == 0.0  # Tc = 0: nothing computed
+    # Each speedup carries its pairs' spread.
+    for row in run.rows:
+        assert row["speedup_spread"] == [min(row["pair_speedups"]), max(row["pair_speedups"])]
     assert at_ridge["efficiency"] == pytest.approx(at_ridge["speedup"] / at_ridge["ideal_speedup"])
     # The ceiling is the T_x spread seen run through a perfect engine.
     assert at_ridge["ceiling_speedup"] == analysis.jitter_ceiling(
