@@ -2,18 +2,19 @@
 
 An experiment's parameters fix its phases before it starts: per size the
 pings, the streamed writes, the perftest runs, the 48 MiB delivery. Each
-planned phase counts its work in four units whose costs a link decides:
-writes (per-descriptor cost), bytes streamed (bandwidth), bytes exchanged
-by round trips (one way at a time: latency), and start-ups (a perftest
-process, a request's lease). The estimate fits those costs to the phases
-already finished, so it needs no guess at the link's speed: after the first
-small-size phases it knows the per-write cost, after the larger ones the
-per-byte costs.
+planned phase counts its work in units whose costs a link decides: streamed
+writes (per-descriptor cost) and their bytes (bandwidth), round trips (each
+waits for the one before: latency) and the bytes they exchange, and
+start-ups (a perftest process, a request's lease). The estimate fits those
+costs to the phases already finished, so it needs no guess at the link's
+speed: after the first small-size phases it knows what a write and a round
+trip cost, after the larger ones what a byte does.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,15 +22,28 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class PlannedPhase:
     phase: str  # as progress names it ("stream 2 MiB")
-    writes: int = 0
-    bytes: int = 0  # streamed: writes back to back, the link kept busy
-    startups: int = 0
-    # Moved by round trips, one way at a time: a byte costs more than streamed.
-    exchanged: int = 0
+    writes: int = 0  # streamed: back to back, the link kept busy
+    bytes: int = 0  # moved by the streamed writes
+    startups: int = 0  # a perftest process, a request's lease, a daemon's restart
+    round_trips: int = 0  # ping-pongs: each waits for the one before
+    exchanged: int = 0  # bytes moved by the round trips, one way at a time
 
-    def units(self) -> tuple[float, float, float, float]:
+    def units(self) -> tuple[float, ...]:
         return (float(self.writes), float(self.bytes), float(self.startups),
-                float(self.exchanged))
+                float(self.round_trips), float(self.exchanged))
+
+
+def merged(phases: Sequence[PlannedPhase]) -> list[PlannedPhase]:
+    """Adjacent phases of one name as one: progress sees a name continue, not
+    a new phase (two streaming rounds back to back are one "stream" line)."""
+    out: list[PlannedPhase] = []
+    for phase in phases:
+        if out and out[-1].phase == phase.phase:
+            last = out.pop()
+            phase = PlannedPhase(phase.phase, *(int(a + b) for a, b in
+                                                zip(last.units(), phase.units(), strict=True)))
+        out.append(phase)
+    return out
 
 
 def _solve(rows: Sequence[tuple[float, ...]], times: Sequence[float],
@@ -58,13 +72,32 @@ def _solve(rows: Sequence[tuple[float, ...]], times: Sequence[float],
     return [b[i] / a[i][i] / scale[i] for i in range(n)]
 
 
-def fit_costs(rows: Sequence[tuple[float, ...]], times: Sequence[float]) -> tuple[float, ...]:
+# A phase's time is never measured better than this (scheduling, the link's
+# drift): fits closer than it are not told apart, and the simpler one wins.
+NOISE = 0.05
+RECENT = 15  # phases: a finished phase weighs half as much this many phases later
+
+
+def fit_costs(rows: Sequence[tuple[float, ...]], times: Sequence[float],
+              weights: Sequence[float] | None = None) -> tuple[float, ...]:
     """Non-negative seconds per unit that best explain ``times``.
 
-    Every subset of the units is tried (four units: fifteen fits) and the
-    best fit with no negative cost wins; units no finished phase used stay 0.
+    Every subset of the units is tried and each fit with no negative cost is
+    scored as Akaike's criterion does: how far it misses, floored at the
+    timing noise, plus two for each unit it uses. A unit earns its place
+    only by explaining what the others cannot: with the first phases of a
+    sweep all costs could be told many ways, and a fit that read a round
+    trip's wait as the cost of its bytes would foresee hours. Units no
+    finished phase used stay 0.
     """
+    if weights is not None:  # weighted least squares: each row and time by sqrt(weight)
+        roots = [math.sqrt(w) for w in weights]
+        rows = [tuple(u * root for u in r) for r, root in zip(rows, roots, strict=True)]
+        times = [t * root for t, root in zip(times, roots, strict=True)]
     width = len(rows[0]) if rows else 0
+    n = len(rows)
+    mean = sum(times) / n if n else 0.0
+    floor = n * (NOISE * mean) ** 2 or 1e-18
     best: tuple[float, tuple[float, ...]] | None = None
     for size in range(1, width + 1):
         for columns in itertools.combinations(range(width), size):
@@ -78,8 +111,9 @@ def fit_costs(rows: Sequence[tuple[float, ...]], times: Sequence[float]) -> tupl
                 costs[column] = cost
             residual = sum((sum(c * u for c, u in zip(costs, r, strict=True)) - t) ** 2
                            for r, t in zip(rows, times, strict=True))
-            if best is None or residual < best[0] * (1 - 1e-9):
-                best = (residual, tuple(costs))
+            score = n * math.log(max(residual, floor) / n) + 2 * size
+            if best is None or score < best[0] - 1e-9:
+                best = (score, tuple(costs))
     return best[1] if best is not None else (0.0,) * width
 
 
@@ -110,12 +144,16 @@ class Estimate:
     def remaining(self, fraction_done: float = 0.0) -> float | None:
         """Seconds left: the running phase's rest and every phase after it.
 
-        None until a finished phase has shown what the link's units cost.
+        None until a few finished phases have shown what the link's units cost.
         """
-        if not self.finished or self.position < 0:
+        if len(self.finished) < max(1, min(3, len(self.plan) // 3)) or self.position < 0:
             return None
+        # Recent phases weigh more: the sizes ahead are nearer theirs than the
+        # first ones', and a link drifts.
+        n = len(self.finished)
         costs = fit_costs([p.units() for p, _ in self.finished],
-                          [seconds for _, seconds in self.finished])
+                          [seconds for _, seconds in self.finished],
+                          [0.5 ** ((n - 1 - i) / RECENT) for i in range(n)])
         if not any(costs):
             return None
 

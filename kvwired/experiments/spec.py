@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import UsageError
 from ..layout import KVLayout
 from ..units import format_size, parse_size
-from .plan import PlannedPhase
+from .plan import PlannedPhase, merged
 
 MiB = 1 << 20
 DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
@@ -103,14 +103,14 @@ class SweepParams:
 
     def phases(self) -> list[PlannedPhase]:
         """The phases the sweep reports, in order, with the work each does."""
-        return [phase for size in self.sizes for phase in self._phases_of(size)]
+        return merged([phase for size in self.sizes for phase in self._phases_of(size)])
 
     def _phases_of(self, size: int) -> list[PlannedPhase]:
         name = format_size(size)
         cache = KVLayout()
         per_layer = -(-cache.layer_bytes // size)
         deliver = PlannedPhase(f"deliver 48 MiB at {name}", per_layer * cache.layers,
-                               cache.total_bytes, 1)
+                               cache.total_bytes)
         out = []
         pings = self.pings_per_round(size) if self.baseline == "perftest" else self.pings(size)
         latency_rounds = ROUNDS if self.baseline == "perftest" else 1
@@ -118,12 +118,12 @@ class SweepParams:
             latency_rounds = 0
         for _ in range(latency_rounds):
             trips = ping_warmup(pings) + pings
-            out.append(PlannedPhase(f"latency {name}", 2 * trips,
+            out.append(PlannedPhase(f"latency {name}", round_trips=trips,
                                     exchanged=2 * trips * size))
             if self.baseline == "perftest":
                 iters = max(PERFTEST_MIN_ITERS, pings)
-                out.append(PlannedPhase(f"perftest latency {name}", 2 * iters, startups=1,
-                                        exchanged=2 * iters * size))
+                out.append(PlannedPhase(f"perftest latency {name}", startups=1,
+                                        round_trips=iters, exchanged=2 * iters * size))
         writes = self.stream_writes_per_round(size)
         if self.baseline == "perftest":
             iters = max(PERFTEST_MIN_ITERS, writes)

@@ -421,7 +421,14 @@ def test_kvctl_run_chunk_sweep_in_the_lab(daemons: Daemons) -> None:
             assert len(r["latency_round_ratios"]) == 3  # none of the runs said 0 µs
             assert r["latency_ratio"] == statistics.median(r["latency_round_ratios"])
             assert r["perftest_lat_typical_us"] == statistics.median(r["perftest_lat_rounds_us"])
+            # So did streaming and ib_write_bw, and each ratio carries its spread.
+            assert len(r["bandwidth_round_ratios"]) == 3
+            assert r["bandwidth_ratio"] == statistics.median(r["bandwidth_round_ratios"])
         assert [r["size"] for r in document["ratios"]] == [4096, 256 << 10]
+        for ratio in document["ratios"]:
+            for name in ("latency_ratio", "bandwidth_ratio"):
+                low, high = ratio[f"{name}_spread"]
+                assert low <= ratio[name] <= high
         assert "lat xpt" in stdout
     for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png"):
         assert (out / png).stat().st_size > 10_000

@@ -19,18 +19,13 @@ from kvwired.experiments.spec import SweepParams
 
 from ..waiting import until
 
+_UNITS = ("writes", "bytes", "startups", "round_trips", "exchanged")
 _costs = st.tuples(st.floats(1e-7, 1e-2), st.floats(1e-10, 1e-7), st.floats(1e-2, 5.0),
-                  st.floats(1e-10, 1e-7))
+                   st.floats(1e-5, 1e-1), st.floats(1e-10, 1e-7))
 _phases = st.lists(st.builds(PlannedPhase, st.just("p"), st.integers(0, 100_000),
                              st.integers(0, 1 << 26), st.integers(0, 3),
-                             st.integers(0, 1 << 26)),
+                             st.integers(0, 10_000), st.integers(0, 1 << 26)),
                    min_size=0, max_size=12)
-# Phases that tell the units apart: many small writes, bulk bytes, start-ups,
-# round trips.
-_TELLING = [PlannedPhase("pings", 50_000, 0, 0, 25_000_000),
-            PlannedPhase("stream", 300, 50_000_000, 0, 0),
-            PlannedPhase("perftest", 10, 1_000, 1, 0),
-            PlannedPhase("big pings", 10, 0, 0, 100_000_000)]
 
 
 def _seconds(costs: tuple[float, ...], phase: PlannedPhase) -> float:
@@ -38,23 +33,40 @@ def _seconds(costs: tuple[float, ...], phase: PlannedPhase) -> float:
 
 
 @given(_costs, _phases)
-def test_once_the_units_are_told_apart_what_is_left_is_exact(
-        costs: tuple[float, float, float, float], rest: list[PlannedPhase]) -> None:
-    plan = [*_TELLING, *rest]
-    estimate = Estimate(plan)
-    for phase in _TELLING:
+def test_once_each_unit_has_shown_its_cost_what_is_left_is_exact(
+        costs: tuple[float, ...], rest: list[PlannedPhase]) -> None:
+    # A first phase per unit, each about a second of that unit alone.
+    telling = [PlannedPhase(unit, **{unit: max(1, round(1.0 / cost))})
+               for unit, cost in zip(_UNITS, costs, strict=True)]
+    estimate = Estimate([*telling, *rest])
+    for phase in telling:
         estimate.begin(phase.phase)
         estimate.finish(_seconds(costs, phase))
-    estimate.position = len(_TELLING) - 1  # the last of them just ended
     expected = sum(_seconds(costs, p) for p in rest)
     left = estimate.remaining(fraction_done=1.0)
     assert left == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
+def test_a_first_phase_does_not_foresee_hours() -> None:
+    # A sweep's first phases: round trips of 512 B, perftest beside them, then
+    # streaming. Read as the cost of bytes, the round trips' wait made the
+    # estimate swing to 35 minutes; the simplest fit that explains them does not.
+    sweep = SweepParams(peer="decode", iters=300, latency_bytes=32 << 20,
+                        stream_bytes=32 << 20, baseline="perftest")
+    plan = sweep.phases()
+    estimate = Estimate(plan)
+    seen = {"latency 512 B": 0.3, "perftest latency 512 B": 2.5, "stream 512 B": 1.7}
+    for phase in plan[:7]:
+        estimate.begin(phase.phase)
+        estimate.finish(seen[phase.phase])
+    left = estimate.remaining(1.0)
+    assert left is not None and left < 20 * 60
+
+
 @given(st.lists(st.tuples(st.floats(0, 1e6), st.floats(0, 1e9), st.floats(0, 5),
-                          st.floats(0, 1e9)), min_size=1, max_size=8),
+                          st.floats(0, 1e4), st.floats(0, 1e9)), min_size=1, max_size=8),
        st.lists(st.floats(0, 600), min_size=8, max_size=8))
-def test_a_cost_is_never_negative(units: list[tuple[float, float, float, float]],
+def test_a_cost_is_never_negative(units: list[tuple[float, ...]],
                                   times: list[float]) -> None:
     assert all(cost >= 0 for cost in fit_costs(units, times[:len(units)]))
 
