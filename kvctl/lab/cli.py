@@ -44,10 +44,10 @@ def main(args: argparse.Namespace) -> int:
             return 1
         broken = broken_rails(current)
         for rail in broken:
-            print(f"wire down: {rail} (ping from prefill to decode fails; "
+            print(f"wire down: {rail} (prefill does not reach decode; "
                   "`kvctl lab down` and `up` gives a new one)")
         if not broken:
-            print("every wire passes packets (ping from prefill to decode)")
+            print("every wire passes packets (prefill reaches decode on each)")
         return 1 if broken else 0
     if args.lab_command == "down":
         for line in machine.down():

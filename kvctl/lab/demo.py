@@ -178,9 +178,11 @@ def _summary(results: Path, seconds: float) -> str:
              f"{format_size(s['recommended_chunk_bytes'])} ({s['recommendation']})"]
     said = []
     for ratio in sweep["ratios"]:
-        said.append(f"kvwire / perftest at {format_size(ratio['size'])}: latency "
-                    f"{times(ratio_spread(ratio, 'latency_ratio'))}, bandwidth "
-                    f"{times(ratio_spread(ratio, 'bandwidth_ratio'))}")
+        figures = [f"{what} {times(ratio_spread(ratio, key))}"
+                   for what, key in (("latency", "latency_ratio"),
+                                     ("bandwidth", "bandwidth_ratio"))
+                   if ratio.get(key) is not None]  # no round trips beyond 8 MiB
+        said.append(f"kvwire / perftest at {format_size(ratio['size'])}: {', '.join(figures)}")
     said.append(f"overlap: T_x {o['transfer_per_layer_s'] * 1e3:.1f} ms per 2 MiB layer; peak "
                 f"speedup {speedup_text(o)} at Tc/Tx = {o['peak_speedup_ratio']:g} "
                 f"({o['peak_efficiency']:.0%} of ideal; the link's T_x spread caps it at "

@@ -1,13 +1,15 @@
 """Whether the lab's wires pass packets, and what the nodes say when they do not.
 
-Each rail is checked the way ARP would find it dead: ``ping`` from prefill
-to decode's address on that rail. A wire that stopped passing packets while
+Each rail is checked the way a push would find it dead: a connection
+attempt from prefill to decode's address on that rail. A wire that stopped passing packets while
 both nodes answer their agents is the lab's fault, not kvwire's; what the
 nodes' kernels, links and neighbour tables say then is what
 ``diagnose`` collects, for the person reading a failed run.
 """
 
 from __future__ import annotations
+
+import sys
 
 from .machine import LabError, LabState, console_tail, run_in
 
@@ -20,15 +22,30 @@ DIAGNOSTICS = (
 )
 
 
+# A TCP connection attempt to a port nobody serves: a reset ("refused") or an
+# answer proves the wire carried packets both ways (ARP included); "no route
+# to host" or silence proves it did not. (No ping: Debian's minimal
+# installs have none.)
+_REACHES = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 1), float(sys.argv[2])).close()
+except ConnectionRefusedError:
+    pass
+except OSError as exc:
+    sys.exit(f"{exc.strerror or exc}")
+"""
+
+
 def broken_rails(state: LabState, timeout: float = 3.0) -> list[str]:
-    """Each rail that does not carry a ping from prefill to decode, said why."""
+    """Each rail on which prefill does not reach decode, said why."""
     broken = []
     decode = state.nodes["decode"]
     for rail, address in enumerate(decode.rail_addresses or [decode.wire_address]):
-        code, out, err = run_in("prefill", ["ping", "-c", "2", "-i", "0.3", "-W",
-                                            f"{timeout:g}", address], state=state)
+        code, out, err = run_in("prefill", [sys.executable, "-c", _REACHES, address,
+                                            f"{timeout:g}"], state=state)
         if code != 0:
-            last = (out + err).strip().splitlines()[-1:] or ["no output"]
+            last = (out + err).strip().splitlines()[-1:] or ["no answer"]
             broken.append(f"wire{rail} ({address}): {last[0]}")
     return broken
 
