@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 KNEE_FRACTION = 0.9
@@ -223,7 +223,7 @@ def spread(rounds: Sequence[float]) -> Spread | None:
     return Spread(float(statistics.median(rounds)), float(min(rounds)), float(max(rounds)))
 
 
-def knee_range(rounds: dict[int, Sequence[float]],
+def knee_range(rounds: Mapping[int, Sequence[float]],
                fraction: float = KNEE_FRACTION) -> tuple[int, int] | None:
     """The sizes the knee could be, within each size's rounds.
 

@@ -9,11 +9,11 @@ and ``kvctl run overlap``. Then the same daemons over the TCP transport run
 path against a plain socket loop between the same nodes. The figures,
 CSV/JSON and plots land in ``results/`` on the host (the TCP sweep's in
 ``results/tcp/``), with a summary; the lab goes down again if the demo
-booted it.
+booted it. Each step's output reaches the host as the node prints it.
 
-Iteration counts are trimmed so the whole demo takes 7 to 20 minutes on a
-2-core host, as busy as it is: Soft-RoCE under emulation moves 0.1 to
-0.3 Gb/s.
+The demo fits ten minutes of a quiet 2-core host (Soft-RoCE under emulation
+moves 0.1 to 0.3 Gb/s); ``--full`` adds the round trips at 48 MiB. Where
+the time goes, and what was cut: README, "How long, and why".
 """
 
 from __future__ import annotations
