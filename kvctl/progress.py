@@ -8,6 +8,7 @@ line every ``HEARTBEAT`` seconds, so a slow step never looks like a hung one.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from kvwired.experiments.plan import Estimate, PlannedPhase
 from kvwired.units import format_clock as clock
 
 HEARTBEAT = 20.0  # seconds of one phase without a line, in a log or pipe
+BARS_VARIABLE = "KVWIRE_PROGRESS_BARS"  # "1": draw bars even into a pipe
 
 
 class PhaseProgress:
@@ -38,12 +40,15 @@ class PhaseProgress:
                  plan: Sequence[PlannedPhase] = ()) -> None:
         self._stream = stream
         self._enabled = enabled
-        self._live = enabled and stream.isatty()
+        # A lab node's stderr is a pipe to the host; the host says when its
+        # own is a terminal, and the bars are drawn through the pipe.
+        self._live = enabled and (stream.isatty() or os.environ.get(BARS_VARIABLE) == "1")
         self._estimate = Estimate(list(plan)) if plan else None
         self._bars = Progress(
             TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), TextColumn("{task.fields[left]}"),
-            console=Console(file=stream), disable=not self._live)
+            console=Console(file=stream, force_terminal=self._live or None),
+            disable=not self._live)
         self._whole: TaskID | None = None
         self._phase = ""
         self._task: TaskID | None = None
@@ -115,8 +120,15 @@ class PhaseProgress:
         if self._estimate is not None:
             self._estimate.finish(took)
         done, total = self._last
-        if not self._live and self._enabled:
-            self._say(f"  {self._phase}: {done}/{total} in {took:.1f} s ({self._where()})")
+        line = f"  {self._phase}: {done}/{total} in {took:.1f} s ({self._where()})"
+        if self._live and self._task is not None:
+            # The finished phase's line above the bars; the bars keep the
+            # running phase and the whole run only.
+            self._bars.console.print(line, highlight=False)
+            self._bars.remove_task(self._task)
+            self._task = None
+        elif self._enabled:
+            self._say(line)
         self._phase = ""
 
     def _say(self, line: str) -> None:

@@ -32,6 +32,7 @@ from typing import TextIO
 from kvwired.units import format_clock, format_size
 
 from ..figures import NOISE_NOTE, knee_certainty, ratio_spread, speedup_text, times
+from ..progress import BARS_VARIABLE
 from . import machine
 from .daemons import DECODE_ADDRESS, ServiceDaemon, receiver_config, sender_config
 from .machine import SHARED_DIR, LabError, LabState, exec_in
@@ -83,9 +84,12 @@ def run_step(state: LabState, title: str, argv: list[str], out: TextIO) -> str:
     print(f"\n== {title}", file=out, flush=True)
     started = time.monotonic()
     stdout, stderr = Relay(out), Relay(out)
-    # Unbuffered: the figures come out in order with the progress on stderr.
-    code = exec_in("prefill", argv, stdout=stdout, stderr=stderr, state=state,
-                   env={"PYTHONUNBUFFERED": "1"})
+    # Unbuffered: the figures come out in order with the progress on stderr;
+    # on a terminal, the node draws its bars for this one.
+    env = {"PYTHONUNBUFFERED": "1"}
+    if out.isatty():
+        env.update({BARS_VARIABLE: "1", "COLUMNS": str(shutil.get_terminal_size().columns)})
+    code = exec_in("prefill", argv, stdout=stdout, stderr=stderr, state=state, env=env)
     if code != 0:
         raise LabError(f"{title} failed (exit {code}):\n{stderr.text.strip()[-2000:]}")
     print(f"({format_clock(time.monotonic() - started)} for this step)", file=out, flush=True)

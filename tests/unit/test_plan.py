@@ -153,3 +153,17 @@ def test_a_listening_port_is_seen_and_a_closed_one_is_not() -> None:
         server.listen()
         assert perftest.listening(port)
     assert not perftest.listening(port)
+
+
+def test_bars_drawn_through_a_pipe_when_the_host_has_a_terminal(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The lab demo sets the variable in the node when the host's output is a
+    # terminal: the node draws its bars into the pipe for that terminal.
+    monkeypatch.setenv(progress.BARS_VARIABLE, "1")
+    out = io.StringIO()
+    with PhaseProgress(out, plan=[PlannedPhase("one", 10), PlannedPhase("two", 10)]) as shown:
+        shown.update("one", 10, 10)
+        shown.update("two", 5, 10)
+    drawn = out.getvalue()
+    assert "\x1b[" in drawn  # cursor and colour: a live display
+    assert "one: 10/10 in " in drawn  # each finished phase, a line above the bars
