@@ -550,15 +550,19 @@ class ReceiverClient(_LocalClient):
         await client.conn.open(map_pool=True)
         return client
 
-    def subscribe(self, req: str) -> None:
-        """Ask for the events of ``req`` (it need not be opened yet)."""
+    def subscribe(self, req: str, readers: int = 1) -> None:
+        """Ask for the events of ``req`` (it need not be opened yet). ``readers``:
+        the engines that read it, this one included (the ranks of a parallel
+        engine sharing one push); the receiver frees it at the last release."""
         if req not in self._events:
             self._events[req] = asyncio.Queue()
-            self.conn.send(decode_api.Subscribe(req=req))
+            self.conn.send(decode_api.Subscribe(req=req,
+                                                readers=readers if readers > 1 else None))
 
-    async def events(self, req: str) -> AsyncIterator[LayerLanded | Delivered]:
+    async def events(self, req: str, readers: int = 1
+                     ) -> AsyncIterator[LayerLanded | Delivered]:
         """Layer events of ``req`` in order, then its ``Delivered``; raises if it fails."""
-        self.subscribe(req)
+        self.subscribe(req, readers)
         queue = self._events[req]
         while True:
             event = await queue.get()

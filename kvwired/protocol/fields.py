@@ -154,5 +154,8 @@ OPTIONAL_U64 = _f(int, required=False, check=_int_range(0, U64))
 LIST = _f(list)
 OPTIONAL_LIST = _f(list, required=False)
 PORT = _f(int, check=_int_range(1, 65535), expected="a TCP port")
+MAX_READERS = 1024
+READERS = _f(int, required=False, check=_int_range(1, MAX_READERS),
+             expected=f"1 to {MAX_READERS} decode engines")
 CHUNK_BYTES = _f(int, required=False, check=_int_range(1, MAX_LAYER_BYTES << 10),
                  expected="a chunk size of at least 1 B")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .common import Error, Failed, LocalHello
-from .fields import CHECKSUM, INT, LAYER, OPTIONAL_U64, REQ, STR, wire
+from .fields import CHECKSUM, INT, LAYER, OPTIONAL_U64, READERS, REQ, STR, wire
 from .framing import Channel, Message, message_type
 
 
@@ -15,7 +15,12 @@ class Welcome(Message):
 
 @message_type("subscribe")
 class Subscribe(Message):
+    """``readers``: how many engines read the request (the ranks of a parallel
+    decode engine that share one push); it is freed when that many have
+    released it. Left out: one."""
+
     req: str = wire(REQ)
+    readers: int | None = wire(READERS, default=None)
 
 
 @message_type("layer")

@@ -3,7 +3,10 @@
 An engine subscribes to a request by id, before or after it is opened, and
 hears each layer as it lands, then ``complete`` or ``failed``. It releases
 the request when it has read it. A delivered request nobody claims within
-``unclaimed_ttl``, or whose engines all left, is reclaimed. An engine that
+``unclaimed_ttl``, or whose engines all left, is reclaimed. A request read
+by several engines (the ranks of a parallel decode engine sharing one push
+say how many when they subscribe) is freed by the last release; the earlier
+ones let go of it. An engine that
 asks for a request which already ended undelivered is told at once
 (``MissedFailures``), so none waits out its own deadline.
 """
@@ -47,10 +50,12 @@ class Engines:
         self.config = config
         self.metrics = metrics
         self.subscribers: dict[str, set[Consumer]] = {}
+        # Readers asked for by engines that subscribed before the request opened.
+        self.readers: dict[str, int] = {}
         self.missed = MissedFailures()  # for decode engines that subscribe late
         self._book: LeaseBook | None = None
         handlers = self._handlers = Handlers[Consumer]("a decode engine")
-        handlers.on(local.Subscribe, lambda c, m: self.subscribe(c, m.req))
+        handlers.on(local.Subscribe, lambda c, m: self.subscribe(c, m.req, m.readers or 1))
         handlers.on(local.Unsubscribe, lambda c, m: self.unsubscribe(c, m.req))
         handlers.on(local.Release, lambda c, m: self.release(c, m.req))
         # Read at scrape time, on the metrics thread: a copy of the sets' sizes.
@@ -71,7 +76,7 @@ class Engines:
     def handle(self, consumer: Consumer, msg: Message) -> None:
         self._handlers(consumer, msg)
 
-    def subscribe(self, consumer: Consumer, req: str) -> None:
+    def subscribe(self, consumer: Consumer, req: str, readers: int = 1) -> None:
         lease = self.book.by_req.get(req)
         missed = self.missed.lookup(req, asyncio.get_running_loop().time())
         if lease is None and missed is not None:
@@ -81,7 +86,10 @@ class Engines:
         consumer.subscribed.add(req)
         self.subscribers.setdefault(req, set()).add(consumer)
         if lease is None:
-            return  # not opened yet: events follow when it is
+            # Not opened yet: events follow when it is.
+            self.readers[req] = max(readers, self.readers.get(req, 1))
+            return
+        lease.readers = max(lease.readers, readers)
         lease.holders.add(consumer)
         self._claim(lease, ClaimEvent.SUBSCRIBED)
         for n in range(lease.landed):
@@ -92,6 +100,10 @@ class Engines:
     def unsubscribe(self, consumer: Consumer, req: str) -> None:
         """The engine lets go without releasing: a delivered request is kept for
         another engine, and reclaimed if none subscribes within unclaimed_ttl."""
+        self._let_go(consumer, req)
+        consumer.send(local.Unsubscribed(req=req))
+
+    def _let_go(self, consumer: Consumer, req: str) -> None:
         consumer.subscribed.discard(req)
         self._forget_subscriber(consumer, req)
         lease = self.book.by_req.get(req)
@@ -99,7 +111,6 @@ class Engines:
             lease.holders.discard(consumer)
             if not lease.holders:
                 self._claim(lease, ClaimEvent.LAST_LET_GO)
-        consumer.send(local.Unsubscribed(req=req))
 
     def release(self, consumer: Consumer, req: str) -> None:
         lease = self.book.by_req.get(req)
@@ -107,6 +118,13 @@ class Engines:
             consumer.send(Failed(req=req, error=UsageError(
                 f"request {req} is not held by this receiver",
                 hint="release only requests you subscribed to and saw complete").to_wire()))
+            return
+        if not lease.machine.arriving and lease.releases + 1 < lease.readers:
+            # Another engine still reads it: this one lets go, and the
+            # request is kept for the others (reclaimed if none comes).
+            lease.releases += 1
+            self._let_go(consumer, req)
+            consumer.send(local.Released(req=req))
             return
         # The releasing engine is told "released", not that its request failed.
         self.subscribers.get(req, set()).discard(consumer)
@@ -137,6 +155,7 @@ class Engines:
             subs.discard(consumer)
             if not subs:
                 del self.subscribers[req]
+                self.readers.pop(req, None)
 
     # ------------------------------------------- what leases tell us
 
@@ -148,6 +167,7 @@ class Engines:
         """``failed`` is a subscription's last word: an engine that wants the id
         again (a request pushed anew) subscribes anew."""
         self.notify(req, Failed(req=req, error=error.to_wire()))
+        self.readers.pop(req, None)
         for consumer in self.subscribers.pop(req, ()):
             consumer.subscribed.discard(req)
 
@@ -161,6 +181,7 @@ class Engines:
     def opened(self, lease: Lease) -> None:
         # Engines that subscribed before it was opened hold it already.
         lease.holders = set(self.subscribers.get(lease.req, ()))
+        lease.readers = self.readers.pop(lease.req, 1)
         if lease.holders:
             self._claim(lease, ClaimEvent.SUBSCRIBED)
         self.missed.forget(lease.req)

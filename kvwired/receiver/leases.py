@@ -76,6 +76,10 @@ class Lease:
     # Decode engines subscribed to it now; who holds it, and whether anyone
     # will release it (kvwired.lifecycle.claim).
     holders: set[Holder] = field(default_factory=set)
+    # Engines that read it (a parallel decode engine's ranks share a push),
+    # and how many have released it: freed at the last release.
+    readers: int = 1
+    releases: int = 0
     claim: ClaimMachine = field(init=False)
     error: KvwireError | None = None  # why it was aborted, for subscribers
     # Senders asking how it ended (``ask``), woken once it is decided.

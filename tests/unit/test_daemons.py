@@ -518,3 +518,58 @@ async def test_a_sender_gone_while_its_open_waits_for_room_leaves_nothing_runnin
     finally:
         await local.sender.stop()
         await local.receiver.stop()
+
+
+async def test_a_push_read_by_two_engines_is_freed_by_the_second_release_only(
+        local: LocalDaemons) -> None:
+    """The ranks of a parallel decode engine share one push (an MLA cache, a
+    head two ranks hold): the first to release lets go, the last one frees."""
+    async with await SenderClient.connect(local.sender_socket) as prefill, \
+            await ReceiverClient.connect(local.receiver_socket) as rank0, \
+            await ReceiverClient.connect(local.receiver_socket) as rank1:
+        rank0.subscribe("shared", readers=2)
+        await prefill.push_bytes("shared", "decode", b"s" * 8192)
+        first = await rank0.wait_delivered("shared", timeout=5)
+        await rank0.release("shared")
+        assert local.receiver.pool.used_bytes > 0  # rank 1 has not read it yet
+        # Rank 1 comes late, after rank 0 let go: the bytes are still there.
+        rank1.subscribe("shared", readers=2)
+        second = await rank1.wait_delivered("shared", timeout=5)
+        assert bytes(rank1.view(second)) == b"s" * 8192 and second.offset == first.offset
+        await rank1.release("shared")
+    await until(lambda: local.receiver.pool.used_bytes == 0)
+
+
+async def test_a_shared_push_whose_second_reader_never_comes_is_reclaimed(
+        tmp_path: Path) -> None:
+    daemons = await start_local(tmp_path, receiver={"unclaimed_ttl": 0.5})
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as prefill, \
+                await ReceiverClient.connect(daemons.receiver_socket) as rank0:
+            rank0.subscribe("half-read", readers=2)
+            await prefill.push_bytes("half-read", "decode", b"h" * 4096)
+            await rank0.wait_delivered("half-read", timeout=5)
+            await rank0.release("half-read")
+        await until(lambda: daemons.receiver.pool.used_bytes == 0)
+        assert daemons.receiver.metrics.reclaimed.labels("unclaimed")._value.get() == 1
+    finally:
+        await daemons.sender.stop()
+        await daemons.receiver.stop()
+
+
+async def test_one_reader_of_a_shared_push_giving_up_before_delivery_aborts_it_for_all(
+        local: LocalDaemons) -> None:
+    """No rank decodes on a push another rank gave up: the request ends for both."""
+    async with await ReceiverClient.connect(local.receiver_socket) as rank0, \
+            await ReceiverClient.connect(local.receiver_socket) as rank1, \
+            await SenderClient.connect(local.sender_socket) as prefill:
+        rank0.subscribe("given-up", readers=2)
+        rank1.subscribe("given-up", readers=2)
+        push = await prefill.open("given-up", "decode", RequestShape(2, 4096))
+        await until(lambda: "given-up" in local.receiver.by_req)
+        await rank0.release("given-up")
+        with pytest.raises(RequestAborted, match="released request given-up before"):
+            await rank1.wait_delivered("given-up", timeout=5)
+        with pytest.raises(RequestAborted, match="released request given-up before"):
+            await asyncio.wait_for(push._result, 5)
+    await until(lambda: local.receiver.pool.used_bytes == 0)
