@@ -16,12 +16,21 @@ vLLM builds one instance per role: in the scheduler (``ProducerPlanner`` or
 ``ConsumerPlanner``, which plan) and in each worker (``Producer`` or
 ``Consumer``, which move bytes). The plan crosses between them as
 ``KvwireMetadata``, each step.
+
+Each instance describes its engine the same way (kvwire_vllm.describe):
+tensor-parallel ranks push and load KV heads (kvwire_vllm.shards), MLA
+caches move once, and a hybrid engine's KV-cache groups move group by group
+(``SupportsHMA``: vLLM keeps its hybrid manager on, and a sliding-window
+group moves only the blocks inside the window).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,11 +39,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from . import stats as stats_module
 from .cache import KVCacheBlocks
+from .describe import describe
 from .params import ConnectorSettings
 from .scheduling import ConsumerPlanner, ProducerPlanner, StepPlan
 
@@ -51,6 +62,8 @@ if TYPE_CHECKING:
     from .producer import Producer
 
 log = logging.getLogger("vllm.kvwire.connector")
+# A folder each worker writes its counters into when its connector shuts down.
+COUNTERS_FOLDER = "KVWIRE_CONNECTOR_COUNTERS"
 
 
 @dataclass
@@ -81,7 +94,7 @@ class KvwireStats(KVConnectorStats):
         return not any(self.data.get(key) for key in stats_module.COUNTERS)
 
 
-class KvwireConnector(KVConnectorBase_V1):
+class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -89,26 +102,28 @@ class KvwireConnector(KVConnectorBase_V1):
         if transfer.kv_role not in ("kv_producer", "kv_consumer"):
             raise ValueError(f"kvwire's connector is a kv_producer (prefill) or a "
                              f"kv_consumer (decode), not {transfer.kv_role!r}")
-        parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            raise ValueError(
-                "kvwire's connector moves the KV cache of one worker: run the engine with "
-                "tensor_parallel_size and pipeline_parallel_size 1 (each worker of a "
-                "parallel engine would push its own shard under one request id)")
         self.producing = transfer.kv_role == "kv_producer"
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
-        self.block_size = vllm_config.cache_config.block_size
+        # Refuses, now, a shape kvwire cannot carry (pipeline stages, Mamba ...).
+        self.engine = describe(vllm_config, kv_cache_config)
+        self.block_size = self.engine.layout.block_size
         self.counters = stats_module.ConnectorCounters()
         self._reported = stats_module.ConnectorCounters.empty()  # what vLLM took
         self._producer_planner: ProducerPlanner | None = None
         self._consumer_planner: ConsumerPlanner | None = None
+        self.rank = 0  # the worker's tensor-parallel rank, once its cache is registered
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         if role == KVConnectorRole.SCHEDULER:
+            windows = [group.window for group in self.engine.groups]
+            log.info("kvwire: %s; layout %s", "prefill" if self.producing else "decode",
+                     self.engine.layout.to_params())
             if self.producing:
-                self._producer_planner = ProducerPlanner(self.settings, self.block_size)
+                self._producer_planner = ProducerPlanner(self.settings, self.block_size,
+                                                         windows, self.engine.layout)
             else:
-                self._consumer_planner = ConsumerPlanner(self.block_size)
+                self._consumer_planner = ConsumerPlanner(self.block_size, windows,
+                                                         self.engine.layout)
 
     # ------------------------------------------------------------ scheduler
 
@@ -125,7 +140,7 @@ class KvwireConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: VllmBlocks,
                                  num_external_tokens: int) -> None:
         if self._consumer_planner is not None and num_external_tokens > 0:
-            self._consumer_planner.allocated(request, blocks.get_block_ids()[0],
+            self._consumer_planner.allocated(request, blocks.get_block_ids(),
                                              num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -133,15 +148,18 @@ class KvwireConnector(KVConnectorBase_V1):
             return KvwireMetadata(self._consumer_planner.plan())
         assert self._producer_planner is not None
         cached = scheduler_output.scheduled_cached_reqs
-        new = [(r.req_id, r.block_ids[0], r.num_computed_tokens)
+        new = [(r.req_id, r.block_ids, r.num_computed_tokens)
                for r in scheduler_output.scheduled_new_reqs]
         resumed = cached.resumed_req_ids
-        added = [(req_id, blocks[0] if blocks is not None else None, req_id in resumed,
-                  computed)
+        added = [(req_id, blocks, req_id in resumed, computed)
                  for req_id, blocks, computed in zip(cached.req_ids, cached.new_block_ids,
                                                      cached.num_computed_tokens, strict=True)]
         return KvwireMetadata(self._producer_planner.plan(
             new, added, scheduler_output.num_scheduled_tokens))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -159,17 +177,24 @@ class KvwireConnector(KVConnectorBase_V1):
     # --------------------------------------------------------------- worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        cache = KVCacheBlocks(kv_caches, self.block_size)
-        log.info("kvwire: %s, %d layers, %d blocks of %d B per layer",
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        cache = KVCacheBlocks(kv_caches, self.engine)
+        self.rank = get_tensor_model_parallel_rank()
+        placement = self.engine.placement
+        log.info("kvwire: rank %d of %d %s KV heads %s of %d (%s), %d blocks",
+                 self.rank, placement.tp,
                  "pushing as the prefill engine" if self.producing
-                 else "loading as the decode engine", cache.layers, cache.num_blocks,
-                 cache.block_bytes)
+                 else "loading as the decode engine",
+                 list(placement.pushes(self.rank) if self.producing
+                      else placement.held(self.rank)),
+                 placement.heads, self.engine.layout.groups, cache.num_blocks)
         if self.producing:
             from .producer import Producer
-            self._producer = Producer(self.settings, cache, self.counters)
+            self._producer = Producer(self.settings, cache, self.rank, self.counters)
         else:
             from .consumer import Consumer
-            self._consumer = Consumer(self.settings, cache, self.counters)
+            self._consumer = Consumer(self.settings, cache, self.rank, self.counters)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Before the forward pass: the step's pushes are opened now, so their
@@ -232,3 +257,10 @@ class KvwireConnector(KVConnectorBase_V1):
         for side in (self._producer, self._consumer):
             if side is not None:
                 side.close()
+        # Each worker's counters, for a caller that runs the engine and cannot
+        # reach its workers' processes (kvwire_vllm.offline, at TP above 1).
+        folder = os.environ.get(COUNTERS_FOLDER)
+        if folder and (self._producer is not None or self._consumer is not None):
+            role = "prefill" if self.producing else "decode"
+            path = Path(folder) / f"{role}-rank{self.rank}.json"
+            path.write_text(json.dumps(self.counters_so_far()))

@@ -12,6 +12,18 @@ then recomputes the prompt (``kv_load_failure_policy = "recompute"``) or
 fails the request (``"fail"``). The engine never runs on blocks a load has
 not finished writing: vLLM hears "finished" only after the load's last
 copy, also when the request was aborted meanwhile.
+
+A load is several pushes: one per KV head this rank holds (and per KV-cache
+group), from whichever prefill ranks pushed them (kvwire_vllm.shards); it
+ends when every one is copied, or at the first that fails, and releases
+them all either way. A push several ranks read (a head they all hold, an
+MLA cache) is freed by the receiver at its last reader's release. vLLM
+decodes a request only once every rank's load has ended, and recomputes
+(or fails) it if any rank's failed: no rank decodes on a partial set.
+
+A load the scheduler refused (the prefill engine's layout cannot be taken
+here) fails at once, and its pushes are released as they open, so they do
+not sit in the receive pool.
 """
 
 from __future__ import annotations
@@ -23,25 +35,40 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
+from .describe import CacheGroup
 from .params import ConnectorSettings
-from .scheduling import LoadPlan
+from .scheduling import NULL_BLOCK, GroupLoad, LoadPlan
 from .seal import LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
+from .shards import LayoutMismatch, push_name
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.consumer")
 
 
+@dataclass(frozen=True)
+class _HeadLoad:
+    """One push a load reads: a head this rank holds, of one KV-cache group."""
+
+    name: str  # the daemons' request id
+    group: CacheGroup
+    span: GroupLoad
+    head: int  # on this rank's head axis
+    readers: int  # ranks of this engine that read it
+
+
 class Consumer:
-    def __init__(self, settings: ConnectorSettings, cache: KVCacheBlocks,
+    def __init__(self, settings: ConnectorSettings, cache: KVCacheBlocks, rank: int,
                  counters: ConnectorCounters) -> None:
         self.settings = settings
         self.cache = cache
+        self.rank = rank
         self.counters = counters
         self.thread = LoopThread()
         self._daemon = DaemonLink(lambda: ReceiverClient.connect(self.settings.receiver_socket))
@@ -61,66 +88,117 @@ class Consumer:
         self._tasks[plan.req_id] = task
         started = time.perf_counter()
         try:
-            await self._load(plan)
+            try:
+                await self._load(plan)
+            except BaseExceptionGroup as group:  # the first push's failure says why
+                raise _first(group) from group
         except (KvwireError, TimeoutError, asyncio.CancelledError) as exc:
             self._failed_load(plan, exc)
         except Exception as exc:  # a bug here must not leave the request waiting
             log.exception("kvwire: load of %s broke", plan.order.transfer)
             self._failed_load(plan, exc)
         else:
-            blocks = len(plan.block_ids)
             self.counters.loaded(plan.tokens - plan.first * self.cache.block_size,
-                                 blocks * self.cache.block_bytes * self.cache.layers,
-                                 time.perf_counter() - started)
+                                 self._bytes(plan), time.perf_counter() - started)
         finally:
             self._tasks.pop(plan.req_id, None)
             with self._lock:
                 self._finished.add(plan.req_id)
 
     async def _load(self, plan: LoadPlan) -> None:
-        """Each layer is checked and copied as it lands (while the prefill engine
-        still computes the next ones); the load is done once every layer is
-        copied and the receiver says the request is delivered."""
-        transfer = plan.order.transfer
+        """Each push's layers are checked and copied as they land (while the
+        prefill engine still computes the next ones); the load is done once
+        every layer of every push is copied and the receiver says each push
+        is delivered."""
+        if plan.refusal is not None:
+            self.thread.loop.create_task(self._discard(plan))
+            raise LayoutMismatch(f"request {plan.req_id}: {plan.refusal}")
         client = await self._daemon.client()
+        async with asyncio.timeout(plan.order.wait), asyncio.TaskGroup() as group:
+            for push in self._pushes(plan):
+                group.create_task(self._load_push(client, plan, push))
+
+    def _pushes(self, plan: LoadPlan) -> list[_HeadLoad]:
+        engine = self.cache.engine
+        placement = engine.placement
+        held = placement.held(self.rank)
+        return [_HeadLoad(push_name(plan.order.transfer, head, group.index,
+                                    len(engine.groups)),
+                          group, plan.groups[group.index], head - held.start,
+                          placement.readers(head))
+                for group in engine.groups for head in held]
+
+    async def _load_push(self, client: ReceiverClient, plan: LoadPlan,
+                         push: _HeadLoad) -> None:
         copied: set[int] = set()
         try:
-            async with asyncio.timeout(plan.order.wait):
-                async for event in client.events(transfer):
-                    if isinstance(event, LayerLanded):
-                        if event.offset is not None:
-                            self._copy(plan, client.view(event), [event.layer], copied)
-                    else:
-                        self._copy(plan, client.view(event), range(self.cache.layers), copied)
+            async for event in client.events(push.name, push.readers):
+                if isinstance(event, LayerLanded):
+                    if event.offset is not None:
+                        self._copy(plan, push, client.view(event), [event.layer], copied)
+                else:
+                    self._copy(plan, push, client.view(event),
+                               range(len(push.group.layer_names)), copied)
         finally:
             # Released in every case: a slot not delivered yet is aborted (the
-            # prefill side hears it), a delivered one goes back to the pool.
-            # (Not opened at this receiver, or the daemon is gone with it: nothing held.)
+            # prefill side hears it), a delivered one goes back to the pool
+            # (once its last reader let go). (Not opened at this receiver, or
+            # the daemon is gone with it: nothing held.)
             with contextlib.suppress(KvwireError):
-                await asyncio.shield(client.release(transfer))
+                await asyncio.shield(client.release(push.name))
 
-    def _copy(self, plan: LoadPlan, view: memoryview, layers: Iterable[int],
-              copied: set[int]) -> None:
+    async def _discard(self, plan: LoadPlan) -> None:
+        """A refused load's pushes, released as each opens (before its deadline)."""
+        async def discard(client: ReceiverClient, push: _HeadLoad) -> None:
+            with contextlib.suppress(KvwireError, TimeoutError):
+                async with asyncio.timeout(plan.order.wait):
+                    async for _ in client.events(push.name, push.readers):
+                        break
+            with contextlib.suppress(KvwireError):
+                await client.release(push.name)
+        with contextlib.suppress(KvwireError):
+            client = await self._daemon.client()
+            await asyncio.gather(*(discard(client, p) for p in self._pushes(plan)))
+
+    def _copy(self, plan: LoadPlan, push: _HeadLoad, view: memoryview,
+              layers: Iterable[int], copied: set[int]) -> None:
         """Layers' seals checked, then their blocks copied into vLLM's: on the
         loop's thread, so a cancelled load cannot leave a copy running behind
         it."""
-        cache = self.cache
-        size = layer_bytes(plan.total, cache.block_bytes)
-        if len(view) != size * cache.layers:
-            raise SealBroken(f"the push of {plan.order.transfer} is {len(view)} B; "
-                             f"{cache.layers} layers of {size} B were expected (do both "
-                             "engines run the same model, dtype and block size?)")
-        expected = LayerSeal(0, cache.layers, plan.total, cache.block_size, cache.block_bytes,
-                             transfer_hash(plan.order.transfer), cache.layout, 0)
-        first = plan.first * cache.block_bytes
-        end = first + len(plan.block_ids) * cache.block_bytes
+        group, span = push.group, push.span
+        pushed = plan.total - span.pushed_from
+        size = layer_bytes(pushed, group.head_bytes)
+        count = len(group.layer_names)
+        if len(view) != size * count:
+            raise SealBroken(f"the push {push.name} is {len(view)} B; {count} layers of "
+                             f"{size} B were expected (do both engines run the same model, "
+                             "dtype and block size?)")
+        expected = LayerSeal(0, count, pushed, self.cache.block_size, group.head_bytes,
+                             transfer_hash(push.name), self.cache.fingerprint, 0)
+        # The blocks this engine fills, and where each lies in the push.
+        positions = [(n, b) for n, b in enumerate(span.block_ids) if b != NULL_BLOCK]
+        skip = span.load_from - span.pushed_from
         for n in layers:
             if n in copied:
                 continue
             layer = view[n * size : (n + 1) * size]
             kv = check_layer(layer, dataclasses.replace(expected, layer=n))
-            cache.write_blocks(n, plan.block_ids, kv[first:end])
+            if len(positions) == len(span.block_ids):
+                start = skip * group.head_bytes
+                self.cache.write_head(group.layer_names[n], push.head, span.block_ids,
+                                      kv[start : start + len(positions) * group.head_bytes])
+            else:
+                for at, block in positions:
+                    start = (skip + at) * group.head_bytes
+                    self.cache.write_head(group.layer_names[n], push.head, [block],
+                                          kv[start : start + group.head_bytes])
             copied.add(n)
+
+    def _bytes(self, plan: LoadPlan) -> int:
+        """KV bytes a load wrote into this rank's cache."""
+        return sum(len([b for b in span.block_ids if b != NULL_BLOCK]) * group.head_bytes
+                   * len(group.layer_names) * group.local_heads
+                   for group, span in zip(self.cache.engine.groups, plan.groups, strict=True))
 
     def _failed_load(self, plan: LoadPlan, exc: BaseException) -> None:
         reason = (exc.code if isinstance(exc, KvwireError)
@@ -165,3 +243,9 @@ class Consumer:
         if self.thread.loop.is_running():
             self.thread.run(disconnect())
             self.thread.stop()
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first failure in ``group`` (a TaskGroup's), nested groups opened."""
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first

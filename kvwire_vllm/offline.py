@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 # Before vLLM is imported: one process (no engine-core subprocess), and the
@@ -64,7 +66,10 @@ def kv_transfer_config(role: str, connector: dict[str, Any] | None,
 def run(job: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
+    from .connector import COUNTERS_FOLDER
+
     role = job["role"]
+    os.environ[COUNTERS_FOLDER] = tempfile.mkdtemp(prefix="kvwire-counters-")
     started = time.perf_counter()
     llm = LLM(model=job["model"], **{**ENGINE_DEFAULTS, **job.get("engine", {})},
               kv_transfer_config=kv_transfer_config(role, job.get("connector"),
@@ -96,13 +101,26 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                             "kv_transfer_params": output.kv_transfer_params})
     counters = None
     if role != "colocated":
-        from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-        connector = get_kv_transfer_group()
-        connector.shutdown()  # a prefill engine's pushes in flight end first
-        counters = connector.counters_so_far()
+        # The engine and its workers stop: each worker's connector ends its
+        # pushes in flight first, then writes its counters (at TP above 1 the
+        # workers are processes of their own).
+        llm.llm_engine.engine_core.shutdown()
+        counters = _workers_counters(Path(os.environ[COUNTERS_FOLDER]))
     return {"role": role, "outputs": results, "seconds": seconds, "build_seconds": built,
             "counters": counters}
+
+
+def _workers_counters(folder: Path) -> dict[str, Any]:
+    """Every worker's counters, added up, and each worker's under "ranks"."""
+    from .stats import ConnectorCounters, merge
+
+    total = ConnectorCounters.empty()
+    ranks = {}
+    for path in sorted(folder.glob("*.json")):
+        data = json.loads(path.read_text())
+        ranks[path.stem] = data
+        total = merge(total, data)
+    return {**total, "ranks": ranks}
 
 
 def _mark(what: str) -> None:

@@ -11,9 +11,10 @@ and the decode engine is asked, at the same time, to load it:
 
 so it subscribes before the push lands and copies the moment it does. The
 prefill engine's answer (``request_finished``) carries the same, with
-``"kvwire_tokens": N`` and the seconds left, for a proxy that asks the
-decode engine only after the prefill engine answered (as vLLM's toy proxy
-does).
+``"kvwire_tokens": N``, the seconds left and ``"kvwire_layout": {...}``
+(kvwire_vllm.shards.EngineLayout), for a proxy that asks the decode engine
+only after the prefill engine answered (as vLLM's toy proxy does): the
+decode engine then checks the layout when it plans the load.
 
 ``ID`` is the push's request id at the daemons; ``NAME`` the receiver as the
 prefill node's sender daemon knows it (null: its only one; "auto": chosen by
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwired.errors import ConfigError, UsageError
+
+from .shards import EngineLayout
 
 DEFAULT_DEADLINE = 20.0  # seconds a push may take, prefill's start to delivery
 # How long past the push's deadline a decode engine waits for the receiver's
@@ -87,11 +90,16 @@ class PushOrder:
                    receiver,
                    _deadline(params.get("kvwire_deadline", default_deadline), where))
 
-    def answer(self, tokens: int, seconds_left: float) -> dict[str, Any]:
+    def answer(self, tokens: int, seconds_left: float,
+               layout: EngineLayout | None = None) -> dict[str, Any]:
         """The params a decode engine needs, as ``request_finished`` returns them."""
-        return {"do_remote_prefill": True, "kvwire_transfer": self.transfer,
-                "kvwire_tokens": tokens,
-                "kvwire_deadline": round(min(max(seconds_left, 0.001), MAX_DEADLINE), 3)}
+        params: dict[str, Any] = {
+            "do_remote_prefill": True, "kvwire_transfer": self.transfer,
+            "kvwire_tokens": tokens,
+            "kvwire_deadline": round(min(max(seconds_left, 0.001), MAX_DEADLINE), 3)}
+        if layout is not None:
+            params["kvwire_layout"] = layout.to_params()
+        return params
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,7 @@ class LoadOrder:
     transfer: str
     tokens: int | None  # None: the whole prompt (asked before the prefill engine answered)
     deadline: float  # seconds the decode engine gives the push
+    layout: EngineLayout | None = None  # the prefill engine's, once it answered
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> LoadOrder | None:
@@ -113,8 +122,10 @@ class LoadOrder:
                                    or tokens < 0):
             raise UsageError(f"{where}: kvwire_tokens {tokens!r} is not a token count",
                              hint="pass the prefill engine's kv_transfer_params unchanged")
+        layout = params.get("kvwire_layout")
         return cls(_transfer(params.get("kvwire_transfer"), where), tokens,
-                   _deadline(params.get("kvwire_deadline"), where))
+                   _deadline(params.get("kvwire_deadline"), where),
+                   EngineLayout.from_params(layout, where) if layout is not None else None)
 
     @property
     def wait(self) -> float:

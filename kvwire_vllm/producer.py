@@ -19,6 +19,11 @@ for the usual push, later for a deferred one, never past the open's end.
 A push that cannot be opened (the receiver's pool stays full, no daemon,
 ...) is logged and counted; the decode engine learns it from its receiver
 and computes the prompt itself.
+
+A request is several pushes: one per KV head this rank pushes (and per
+KV-cache group), kvwire_vllm.shards says which. A rank that pushes none (a
+replica of a head another rank pushes) still tells vLLM it is done with the
+request's blocks.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ from kvwired.layout import RequestShape
 
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
+from .describe import CacheGroup
 from .params import ConnectorSettings
 from .scheduling import PushPlan
 from .seal import SEAL_BYTES, LayerSeal, layer_bytes, seal_layer, transfer_hash
+from .shards import push_name
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.producer")
@@ -52,7 +59,12 @@ log = logging.getLogger("vllm.kvwire.producer")
 
 @dataclass
 class _Push:
+    """One head's push (of one KV-cache group) of a planned request."""
+
     plan: PushPlan
+    name: str  # the daemons' request id
+    group: CacheGroup
+    head: int  # on this rank's head axis
     opening: concurrent.futures.Future[OutgoingPush]
     block_ids: torch.Tensor
     seal: LayerSeal
@@ -63,10 +75,11 @@ class _Push:
 
 
 class Producer:
-    def __init__(self, settings: ConnectorSettings, cache: KVCacheBlocks,
+    def __init__(self, settings: ConnectorSettings, cache: KVCacheBlocks, rank: int,
                  counters: ConnectorCounters) -> None:
         self.settings = settings
         self.cache = cache
+        self.rank = rank
         self.counters = counters
         self.thread = LoopThread()
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvwire-stage")
@@ -76,36 +89,51 @@ class Producer:
         self._tasks: set[asyncio.Task[None]] = set()  # touched on the loop only
         self._lock = threading.Lock()
         self._pushing: set[str] = set()  # requests whose blocks vLLM holds for a push
+        self._staging: dict[str, int] = {}  # ... and their pushes not all in staging yet
         self._released: set[str] = set()  # ... which may be freed now
         self._finished: set[str] = set()  # ... which vLLM said finished
 
     def begin_step(self, plans: list[PushPlan]) -> None:
         """Before the forward pass: ask the daemon for this step's pushes."""
+        engine = self.cache.engine
+        heads = engine.placement.pushes(self.rank)
+        held = engine.placement.held(self.rank)
         for plan in plans:
+            pushes = [(group, head) for group in engine.groups for head in heads]
             with self._lock:
                 self._pushing.add(plan.req_id)
-            seal = LayerSeal(0, self.cache.layers, len(plan.block_ids), self.cache.block_size,
-                             self.cache.block_bytes, transfer_hash(plan.order.transfer),
-                             self.cache.layout, 0)
-            self._step.append(_Push(plan, self.thread.submit(self._open(plan)),
-                                    torch.tensor(plan.block_ids, dtype=torch.int64), seal,
-                                    time.perf_counter()))
+                if pushes:
+                    self._staging[plan.req_id] = len(pushes)
+                else:
+                    self._released.add(plan.req_id)  # a replica: nothing of its own
+            for group, head in pushes:
+                name = push_name(plan.order.transfer, head, group.index, len(engine.groups))
+                blocks = plan.blocks[group.index]
+                seal = LayerSeal(0, len(group.layer_names), len(blocks),
+                                 self.cache.block_size, group.head_bytes, transfer_hash(name),
+                                 self.cache.fingerprint, 0)
+                push = _Push(plan, name, group, head - held.start, concurrent.futures.Future(),
+                             torch.tensor(blocks, dtype=torch.int64), seal,
+                             time.perf_counter())
+                push.opening = self.thread.submit(self._open(push))
+                self._step.append(push)
 
-    async def _open(self, plan: PushPlan) -> OutgoingPush:
+    async def _open(self, push: _Push) -> OutgoingPush:
         client = await self._daemon.client()
-        shape = RequestShape(self.cache.layers,
-                             layer_bytes(len(plan.block_ids), self.cache.block_bytes))
-        return await client.open(plan.order.transfer, plan.order.receiver, shape,
-                                 deadline=plan.deadline)
+        shape = RequestShape(len(push.group.layer_names),
+                             layer_bytes(len(push.block_ids), push.group.head_bytes))
+        return await client.open(push.name, push.plan.order.receiver, shape,
+                                 deadline=push.plan.deadline)
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name``'s attention wrote its KV: copy, seal, commit
         (or leave it in vLLM's blocks, when the push is not open yet)."""
-        n = self.cache.index.get(layer_name)
-        if n is None:
+        where = self.cache.where.get(layer_name)
+        if where is None:
             return
+        group, n = where
         for push in self._step:
-            if push.failed or push.deferred:
+            if push.group is not group or push.failed or push.deferred:
                 continue
             if not push.opening.done():
                 push.deferred = True  # this layer and the rest: once it opens
@@ -132,7 +160,8 @@ class Producer:
 
     def _copy_and_seal(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
         layer = outgoing.layer(n)
-        self.cache.read_blocks(n, push.block_ids, layer[: len(layer) - SEAL_BYTES])
+        self.cache.read_head(push.group.layer_names[n], push.head, push.block_ids,
+                             layer[: len(layer) - SEAL_BYTES])
         seal_layer(layer, dataclasses.replace(push.seal, layer=n))
         self.thread.loop.call_soon_threadsafe(self._commit, push, outgoing, n)
 
@@ -144,7 +173,7 @@ class Producer:
         except KvwireError as exc:
             self._give_up(push, exc)
             return
-        if n == self.cache.layers - 1:
+        if n == len(push.group.layer_names) - 1:
             self._spawn(self._finish(push, outgoing))
 
     def end_step(self) -> None:
@@ -161,7 +190,7 @@ class Producer:
     async def _stage_deferred(self, push: _Push) -> None:
         try:
             outgoing = await asyncio.wrap_future(push.opening)
-            for n in range(push.submitted, self.cache.layers):
+            for n in range(push.submitted, len(push.group.layer_names)):
                 await asyncio.wrap_future(self._stager.submit(self._stage, push, outgoing, n))
         except KvwireError as exc:
             self._give_up(push, exc)
@@ -181,8 +210,7 @@ class Producer:
             return
         seconds = time.perf_counter() - push.started
         self.counters.pushed(result.bytes, seconds)
-        log.debug("kvwire: pushed %s (%d B) in %.3f s", push.plan.order.transfer,
-                  result.bytes, seconds)
+        log.debug("kvwire: pushed %s (%d B) in %.3f s", push.name, result.bytes, seconds)
 
     def _give_up(self, push: _Push, exc: BaseException) -> None:
         if push.failed:
@@ -191,14 +219,22 @@ class Producer:
         code = exc.code if isinstance(exc, KvwireError) else "error"
         self.counters.failed("push", code)
         log.warning("kvwire: push of %s (request %s) failed: %s; the decode engine will "
-                    "compute its prompt", push.plan.order.transfer, push.plan.req_id, exc)
+                    "compute its prompt", push.name, push.plan.req_id, exc)
         if push.opening.done() and not push.opening.cancelled() \
                 and push.opening.exception() is None:
             self.thread.loop.call_soon_threadsafe(push.opening.result().abort)
 
     def _release(self, push: _Push) -> None:
+        """One push's bytes are staged (or it failed): once all the request's
+        are, vLLM may free its blocks."""
+        req_id = push.plan.req_id
         with self._lock:
-            self._released.add(push.plan.req_id)
+            left = self._staging.get(req_id, 1) - 1
+            if left > 0:
+                self._staging[req_id] = left
+                return
+            self._staging.pop(req_id, None)
+            self._released.add(req_id)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks vLLM may free now: their bytes are in staging

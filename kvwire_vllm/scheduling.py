@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from kvwired.errors import KvwireError
 
 from .params import ConnectorSettings, LoadOrder, PushOrder
+from .shards import EngineLayout
 
 # vLLM drops log lines of loggers outside its own namespace.
 log = logging.getLogger("vllm.kvwire.scheduling")
@@ -36,27 +37,63 @@ class RequestLike(Protocol):
     def kv_transfer_params(self) -> dict[str, Any] | None: ...
 
 
+Blocks = tuple[list[int], ...]  # a request's block ids, one list per KV-cache group
+NULL_BLOCK = 0  # vLLM's placeholder for a sliding-window block out of the window
+
+
+def pushed_from(tokens: int, block_size: int, window: int | None) -> int:
+    """The first block of a group that a push of ``tokens`` carries.
+
+    Every block for full attention. For a sliding window of ``window`` tokens
+    (vLLM's hybrid manager on), the blocks holding the last ``window`` tokens
+    and the one before them: the decode engine computes the prompt's last
+    token again, whose window reaches back to token ``tokens - window``.
+    vLLM replaced the blocks before it with its null block on both sides."""
+    if window is None:
+        return 0
+    return max(0, tokens - window) // block_size
+
+
 @dataclass(frozen=True)
 class PushPlan:
-    """Push these blocks (all the request's prompt blocks), every layer."""
+    """Push these blocks of each KV-cache group, every layer."""
 
     req_id: str
     order: PushOrder
-    block_ids: list[int]
+    tokens: int  # the prompt tokens pushed
+    blocks: Blocks  # per group: blocks pushed_from .. blocks_of(tokens)
     deadline: float  # seconds left of the order's deadline when planned
 
 
 @dataclass(frozen=True)
+class GroupLoad:
+    """One KV-cache group of a load: the push carries prompt blocks
+    ``pushed_from ..``; this engine fills blocks ``load_from ..`` into
+    ``block_ids`` (its null block, out of a sliding window, is skipped)."""
+
+    pushed_from: int
+    load_from: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
 class LoadPlan:
-    """Load pushed blocks ``first .. first + len(block_ids)`` of ``total`` into
-    ``block_ids``."""
+    """Load the pushed blocks this engine lacks, group by group; ``refusal``:
+    why this engine cannot take the push (the load fails at once, and vLLM's
+    kv_load_failure_policy decides)."""
 
     req_id: str
     order: LoadOrder
     tokens: int  # the prompt tokens pushed
-    first: int
-    total: int
-    block_ids: list[int]
+    first: int  # blocks this engine had already (its prefix cache)
+    total: int  # blocks of the prompt
+    groups: tuple[GroupLoad, ...]
+    refusal: str | None = None
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block the load writes, null blocks left out."""
+        return [b for g in self.groups for b in g.block_ids if b != NULL_BLOCK]
 
 
 @dataclass
@@ -77,16 +114,23 @@ class _Pushing:
     order: PushOrder
     prompt_len: int
     started: float  # monotonic: when the prefill engine took the request
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per group
     tokens: int | None = None  # pushed tokens, once planned
 
 
 class ProducerPlanner:
-    """Prefill side: a push for every request that asks for remote decode."""
+    """Prefill side: a push for every request that asks for remote decode.
 
-    def __init__(self, settings: ConnectorSettings, block_size: int) -> None:
+    ``windows``: per KV-cache group, its sliding window in tokens (None: full
+    attention or MLA). ``layout``: the engine's, as its answer announces it."""
+
+    def __init__(self, settings: ConnectorSettings, block_size: int,
+                 windows: Sequence[int | None] = (None,),
+                 layout: EngineLayout | None = None) -> None:
         self.settings = settings
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.layout = layout
         self._requests: dict[str, _Pushing] = {}
 
     def on_new_request(self, request: RequestLike) -> None:
@@ -102,31 +146,37 @@ class ProducerPlanner:
         self._requests[request.request_id] = _Pushing(
             order, len(request.prompt_token_ids or ()), time.monotonic())
 
-    def plan(self, new: Iterable[tuple[str, list[int], int]],
-             cached: Iterable[tuple[str, list[int] | None, bool, int]],
+    def plan(self, new: Iterable[tuple[str, Sequence[list[int]], int]],
+             cached: Iterable[tuple[str, Sequence[list[int]] | None, bool, int]],
              scheduled: dict[str, int]) -> StepPlan:
-        """``new``: (request, its blocks, tokens computed before this step);
-        ``cached``: (request, blocks added, resumed, tokens computed before).
-        A resumed request's blocks replace its list (vLLM's rule)."""
+        """``new``: (request, its blocks per group, tokens computed before this
+        step); ``cached``: (request, blocks added per group, resumed, tokens
+        computed before). A resumed request's blocks replace its lists (vLLM's
+        rule)."""
         plan = StepPlan()
-        steps: list[tuple[str, list[int] | None, bool, int]] = [
+        steps: list[tuple[str, Sequence[list[int]] | None, bool, int]] = [
             (req, blocks, True, computed) for req, blocks, computed in new]
         steps += cached
         for req_id, blocks, replace, computed in steps:
             pushing = self._requests.get(req_id)
             if pushing is None or pushing.tokens is not None:
                 continue
-            if replace:
-                pushing.block_ids = list(blocks or ())
+            if replace or not pushing.block_ids:
+                pushing.block_ids = [list(g) for g in blocks or [[]] * len(self.windows)]
             elif blocks:
-                pushing.block_ids.extend(blocks)
+                for mine, added in zip(pushing.block_ids, blocks, strict=True):
+                    mine.extend(added)
             if computed + scheduled.get(req_id, 0) < pushing.prompt_len:
                 continue  # a chunk of a longer prefill: its last one pushes
-            count = blocks_of(pushing.prompt_len, self.block_size)
-            pushing.tokens = pushing.prompt_len
+            tokens = pushing.prompt_len
+            count = blocks_of(tokens, self.block_size)
+            pushing.tokens = tokens
             if count:
                 left = pushing.order.deadline - (time.monotonic() - pushing.started)
-                plan.pushes.append(PushPlan(req_id, pushing.order, pushing.block_ids[:count],
+                groups = tuple(ids[pushed_from(tokens, self.block_size, window):count]
+                               for ids, window in zip(pushing.block_ids, self.windows,
+                                                      strict=True))
+                plan.pushes.append(PushPlan(req_id, pushing.order, tokens, groups,
                                             max(left, 0.001)))
         return plan
 
@@ -139,14 +189,17 @@ class ProducerPlanner:
         if pushing is None:
             return None
         left = pushing.order.deadline - (time.monotonic() - pushing.started)
-        return pushing.order.answer(pushing.tokens or 0, left)
+        return pushing.order.answer(pushing.tokens or 0, left, self.layout)
 
 
 class ConsumerPlanner:
     """Decode side: an asynchronous load for every request with remote prefill."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, windows: Sequence[int | None] = (None,),
+                 layout: EngineLayout | None = None) -> None:
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.layout = layout
         self._loading: set[str] = set()
         self._pending: list[LoadPlan] = []
 
@@ -162,10 +215,10 @@ class ConsumerPlanner:
         count = self._tokens(request, order) - computed
         return (count, True) if count > 0 else (0, False)
 
-    def allocated(self, request: RequestLike, block_ids: Sequence[int],
+    def allocated(self, request: RequestLike, block_ids: Sequence[Sequence[int]],
                   external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the request's blocks, the last
-        ``external_tokens`` of whose prefix the push fills."""
+        """vLLM's ``update_state_after_alloc``: the request's blocks per group,
+        the last ``external_tokens`` of whose prefix the push fills."""
         if external_tokens <= 0 or request.request_id in self._loading:
             return
         order = self._order(request)
@@ -175,9 +228,29 @@ class ConsumerPlanner:
         total = blocks_of(tokens, self.block_size)
         # What this engine had already is whole blocks (its prefix cache).
         first = (tokens - external_tokens) // self.block_size
+        groups = []
+        refusal = self._refusal(order)
+        for n, (ids, window) in enumerate(zip(block_ids, self.windows, strict=True)):
+            start = pushed_from(tokens, self.block_size, window)
+            wanted = [b for b in ids[first:start] if b != NULL_BLOCK]
+            if wanted and refusal is None:
+                refusal = (f"KV-cache group {n} needs blocks {first}..{start - 1}, which the "
+                           "push leaves out as outside its sliding window")
+            load_from = max(first, start)
+            groups.append(GroupLoad(start, load_from, list(ids[load_from:total])))
         self._loading.add(request.request_id)
         self._pending.append(LoadPlan(request.request_id, order, tokens, first, total,
-                                      list(block_ids[first:total])))
+                                      tuple(groups), refusal))
+
+    def _refusal(self, order: LoadOrder) -> str | None:
+        """Why this engine cannot take the push the prefill engine announced."""
+        if order.layout is None or self.layout is None:
+            return None
+        differences = self.layout.differences(order.layout)
+        if not differences:
+            return None
+        return ("the prefill engine's KV layout differs from this engine's: "
+                + "; ".join(differences))
 
     def plan(self) -> StepPlan:
         plan = StepPlan(loads=self._pending)

@@ -2,7 +2,8 @@
 and the layout two engines must agree on before a byte moves.
 
 A push carries one KV head of a request: every layer's blocks of that head,
-named ``{transfer}.h{head}``. Heads are what both engines can name without
+named ``{transfer}.h{head}`` (``{transfer}.g{group}.h{head}`` for each
+KV-cache group of a hybrid engine). Heads are what both engines can name without
 knowing the other's tensor-parallel size, so any prefill TP meets any decode
 TP, and the regrouping between them happens inside the copies into staging
 and out of the receive pool, which happen anyway:
@@ -22,18 +23,28 @@ No vLLM import: tested with the daemons' suite (tests/unit/test_vllm_shards.py).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvwired.errors import ConfigError, UsageError
+from kvwired.errors import ConfigError, KvwireError, UsageError
 
 MAX_HEADS = 1024
 
 
-def push_name(transfer: str, head: int) -> str:
-    """The daemons' request id of ``transfer``'s push of KV head ``head``."""
-    return f"{transfer}.h{head}"
+def push_name(transfer: str, head: int, group: int = 0, groups: int = 1) -> str:
+    """The daemons' request id of ``transfer``'s push of KV head ``head`` (of
+    KV-cache group ``group``, for an engine with several)."""
+    return f"{transfer}.h{head}" if groups == 1 else f"{transfer}.g{group}.h{head}"
+
+
+_PUSH_SUFFIX = re.compile(r"(\.g\d+)?\.h\d+$")
+
+
+def transfer_of(push: str) -> str:
+    """The transfer a push belongs to (``push_name``'s inverse)."""
+    return _PUSH_SUFFIX.sub("", push)
 
 
 @dataclass(frozen=True)
@@ -91,7 +102,7 @@ class HeadPlacement:
 # Fields a layout must agree on, in the order a mismatch names them. The TP
 # size and rank are carried too, but differ freely: heads are regrouped.
 _AGREED = ("attention", "dtype", "layers", "kv_heads", "head_size", "block_size",
-           "head_bytes", "block_format")
+           "head_bytes", "groups", "block_format")
 
 
 @dataclass(frozen=True)
@@ -112,6 +123,9 @@ class EngineLayout:
     block_size: int
     head_bytes: int
     block_format: str
+    # The KV-cache groups as "kind:layers" joined by "+": "full:2", or
+    # "sliding64:1+full:1" for a hybrid model (kvwire_vllm.groups).
+    groups: str = "full"
     tp: int = 1
 
     def __post_init__(self) -> None:
@@ -159,3 +173,10 @@ class EngineLayout:
             return cls(**values)
         except ConfigError as exc:
             raise UsageError(f"{where}: kvwire_layout: {exc.message}") from None
+
+
+class LayoutMismatch(KvwireError, code="layout_mismatch",
+                     hint="run both engines with the same model, dtype, block size and "
+                          "attention backend on the same CPU kind (their TP sizes may "
+                          "differ); vLLM's kv_load_failure_policy decides meanwhile"):
+    """The prefill engine's pushes cannot mean the same thing in this engine."""

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvwire_vllm.model import SHAPES, make_model
+from kvwire_vllm.shards import transfer_of
 from kvwired.errors import KvwireError
 
 from .. import table
@@ -105,12 +106,18 @@ def send(pair: NetnsPair, url: str, prompts: list[list[int]],
 
 
 def transfers(sender: DaemonProcess) -> dict[str, dict[str, Any]]:
-    """Each push the sender delivered, by transfer id, from its log."""
-    found = {}
+    """Each request the sender delivered, by transfer id, from its log: its
+    pushes (one per KV head) added up, timed by the last one to land."""
+    found: dict[str, dict[str, Any]] = {}
     for line in sender.log_path.read_text(errors="replace").splitlines():
         if '"push delivered"' in line:
             entry = json.loads(line)
-            found[entry["req"]] = entry
+            seen = found.setdefault(transfer_of(entry["req"]), {
+                "pushes": 0, "bytes": 0, "transfer_seconds": 0.0, "drain_seconds": 0.0})
+            seen["pushes"] += 1
+            seen["bytes"] += entry["bytes"]
+            for key in ("transfer_seconds", "drain_seconds"):
+                seen[key] = max(seen[key], entry[key])
     return found
 
 

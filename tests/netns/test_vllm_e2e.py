@@ -32,6 +32,7 @@ from kvctl.vllm import engines
 from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess, start_proxy
 from kvwire_vllm.model import make_model
 from kvwire_vllm.params import new_transfer_id
+from kvwire_vllm.shards import push_name
 from kvwired.client import SyncReceiverClient, SyncSenderClient
 
 from ..waiting import wait_until
@@ -46,6 +47,7 @@ BLOCK = 128
 LENGTHS = [5, 127, 128, 129, 300, 513, 777, 1000, 1300, 2000]
 DEADLINE = 8.0
 MAX_TOKENS = 12
+HEADS = 2  # the tiny model's KV heads: a request is one push per head
 POOL = 64 << 20  # the receiver's pool: a test fills it
 
 
@@ -166,7 +168,7 @@ def test_disaggregated_tokens_equal_one_engines_and_the_kv_came_over_kvwire(
     params = [o["kv_transfer_params"] for o in pushed["outputs"]]
     assert [p["kvwire_tokens"] for p in params] == [pushed_tokens(p) for p in prompts]
     moving = [p for p in prompts if pushed_tokens(p)]
-    assert pushed["counters"]["pushes"] == len(moving)
+    assert pushed["counters"]["pushes"] == len(moving) * HEADS
     assert pushed["counters"]["push_failures"] == 0
 
     loaded = decode(hosts, model, prompts, params)  # one batch: concurrent requests
@@ -177,7 +179,7 @@ def test_disaggregated_tokens_equal_one_engines_and_the_kv_came_over_kvwire(
     assert counters["loads"] == len(moving)
     assert counters["loaded_tokens"] == sum(pushed_tokens(p) for p in prompts)
     assert hosts.receiver_total("kvwire_requests_total", outcome="delivered") \
-        - delivered_before == len(moving)
+        - delivered_before == len(moving) * HEADS
 
 
 def test_kv_of_the_wrong_prompt_changes_the_tokens(
@@ -265,7 +267,7 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
             assert answer["transfer"] and answer["ttft"] is not None
         moving = sum(1 for p in prompts if pushed_tokens(p))
         assert hosts.receiver_total("kvwire_requests_total",
-                                    outcome="delivered") - delivered == moving
+                                    outcome="delivered") - delivered == moving * HEADS
 
         # A decode server that is down: a clear 502 at once, not a hang.
         servers[1].stop()
@@ -277,8 +279,9 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
         # Its KV was pushed before the decode server was found down: it waits in
         # the receive pool for unclaimed_ttl, unless an engine takes it.
         with SyncReceiverClient(hosts.receiver.socket) as decode_engine:
-            decode_engine.wait_delivered(down["transfer"], timeout=10)
-            decode_engine.release(down["transfer"])
+            for head in range(HEADS):
+                decode_engine.wait_delivered(push_name(down["transfer"], head), timeout=10)
+                decode_engine.release(push_name(down["transfer"], head))
 
 
 def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_later(
@@ -296,7 +299,7 @@ def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_late
         pushed = engine.result()
     finally:
         engine.kill()
-    assert pushed["counters"]["pushes"] == 3, pushed["counters"]
+    assert pushed["counters"]["pushes"] == 3 * HEADS, pushed["counters"]
     loaded = decode(hosts, model, few, [o["kv_transfer_params"] for o in pushed["outputs"]])
     assert [o["tokens"] for o in loaded["outputs"]] == colocated[4:7]
     assert loaded["counters"]["loads"] == 3
@@ -332,7 +335,7 @@ def test_a_sender_daemon_restart_between_batches_the_prefill_engine_reconnects(
     engine = OfflineProcess(job, tmp_path / "prefill")
     try:
         engine.wait_mark("round 0 generated")
-        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") >= 2,
+        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") >= 2 * HEADS,
                   "the first batch to be delivered")
         hosts.sender.stop()
         hosts.sender.start()
@@ -340,7 +343,7 @@ def test_a_sender_daemon_restart_between_batches_the_prefill_engine_reconnects(
         pushed = engine.result()
     finally:
         engine.kill()
-    assert pushed["counters"]["pushes"] == 4, pushed["counters"]
+    assert pushed["counters"]["pushes"] == 4 * HEADS, pushed["counters"]
     both = first + second
     loaded = decode(hosts, model, both, [o["kv_transfer_params"] for o in pushed["outputs"]])
     assert [o["tokens"] for o in loaded["outputs"]] == colocated[4:8]
@@ -355,8 +358,8 @@ def test_a_full_receive_pool_means_a_recomputed_prompt_or_a_clear_error(
     try:
         few = prompts[7:10]
         pushed = prefill(hosts, model, few)
-        assert pushed["counters"]["push_failures"] == 3
-        assert pushed["counters"]["failures"] == {"push:pool_full": 3}
+        assert pushed["counters"]["push_failures"] == 3 * HEADS
+        assert pushed["counters"]["failures"] == {"push:pool_full": 3 * HEADS}
         params = [o["kv_transfer_params"] for o in pushed["outputs"]]
         loaded = decode(hosts, model, few, params)
         assert [o["tokens"] for o in loaded["outputs"]] == colocated[7:10]
@@ -383,11 +386,11 @@ def test_a_decode_engine_killed_while_holding_slots_gives_them_back(
         "connector": hosts.connector("decode"),
         "params": expected_params(few, transfers, deadline=120)}, tmp_path / "decode")
     try:
-        _wait_for(lambda: hosts.receiver_total("kvwire_subscriptions") == 3,
+        _wait_for(lambda: hosts.receiver_total("kvwire_subscriptions") == 3 * HEADS,
                   "the decode engine to wait for its 3 requests", timeout=120)
         os.kill(waiting.process.pid, signal.SIGSTOP)  # it holds what arrives, and reads none
         prefill(hosts, model, few, transfers)
-        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") == 3,
+        _wait_for(lambda: hosts.receiver_total("kvwire_leases", state="held") == 3 * HEADS,
                   "the 3 requests to be delivered to the stopped engine")
         assert hosts.pool_used() > 0
         waiting.kill()
@@ -395,7 +398,7 @@ def test_a_decode_engine_killed_while_holding_slots_gives_them_back(
         waiting.kill()
     _wait_for(lambda: hosts.pool_used() == 0, "the slots to come back")
     assert hosts.receiver_total("kvwire_reclaimed_total", reason="engine_gone") \
-        - reclaimed == 3
+        - reclaimed == 3 * HEADS
     # Another engine asking for them learns at once that they are gone.
     again = decode(hosts, model, few, expected_params(few, transfers))
     assert [o["tokens"] for o in again["outputs"]] == colocated[7:10]

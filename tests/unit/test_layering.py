@@ -74,8 +74,10 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     "kvwired.discovery.membership", "kvwired.discovery.registry",
                     "kvwired.experiments.perftest",
                     # The vLLM connector's plain parts: the proxy's transfer ids,
-                    # the demo's local model. Never the parts that import vLLM.
-                    "kvwire_vllm", "kvwire_vllm.params", "kvwire_vllm.model")
+                    # the demo's local model, push names. Never the parts that
+                    # import vLLM.
+                    "kvwire_vllm", "kvwire_vllm.params", "kvwire_vllm.model",
+                    "kvwire_vllm.shards")
 
 
 # Inside each daemon's package, bottom to top: a part imports only the parts

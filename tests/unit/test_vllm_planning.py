@@ -96,7 +96,7 @@ def test_a_load_asked_before_prefill_answered_expects_the_whole_prompt() -> None
     request = FakeRequest("r", list(range(10)), {
         "do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_deadline": 3})
     assert planner.matched_tokens(request, 4) == (6, True)
-    planner.allocated(request, [20, 21, 22], 6)
+    planner.allocated(request, ([20, 21, 22],), 6)
     [load] = planner.plan().loads
     assert (load.tokens, load.first, load.total, load.block_ids) == (10, 1, 3, [21, 22])
 
@@ -150,11 +150,11 @@ def test_connector_settings_refuse_unknown_keys_and_bad_values() -> None:
 def test_a_chunked_prefill_pushes_once_in_its_last_chunk_with_all_its_blocks() -> None:
     planner = ProducerPlanner(ConnectorSettings(receiver="decode"), block_size=4)
     planner.on_new_request(FakeRequest("r", list(range(10)), push_params()))
-    first = planner.plan([("r", [7, 3], 0)], [], {"r": 8})
+    first = planner.plan([("r", ([7, 3],), 0)], [], {"r": 8})
     assert first.pushes == []  # 8 of 10 tokens computed: not the last chunk
-    last = planner.plan([], [("r", [9], False, 8)], {"r": 2})
-    assert [(p.req_id, p.block_ids, p.order.receiver) for p in last.pushes] == \
-        [("r", [7, 3, 9], "decode")]  # 10 tokens: 2 whole blocks and a partial one
+    last = planner.plan([], [("r", ([9],), False, 8)], {"r": 2})
+    assert [(p.req_id, p.blocks, p.order.receiver) for p in last.pushes] == \
+        [("r", ([7, 3, 9],), "decode")]  # 10 tokens: 2 whole blocks and a partial one
     answer = planner.finished("r")
     assert answer is not None and answer["kvwire_tokens"] == 10
     assert planner.finished("r") is None  # once
@@ -163,9 +163,9 @@ def test_a_chunked_prefill_pushes_once_in_its_last_chunk_with_all_its_blocks() -
 def test_a_resumed_request_plans_with_its_new_blocks() -> None:
     planner = ProducerPlanner(ConnectorSettings(), block_size=4)
     planner.on_new_request(FakeRequest("r", list(range(12)), push_params()))
-    planner.plan([("r", [1, 2], 0)], [], {"r": 8})
-    plan = planner.plan([], [("r", [5, 6, 7], True, 0)], {"r": 12})  # preempted, resumed
-    assert plan.pushes[0].block_ids == [5, 6, 7]
+    planner.plan([("r", ([1, 2],), 0)], [], {"r": 8})
+    plan = planner.plan([], [("r", ([5, 6, 7],), True, 0)], {"r": 12})  # preempted, resumed
+    assert plan.pushes[0].blocks == ([5, 6, 7],)
 
 
 def test_a_prompt_shorter_than_a_block_pushes_its_partial_block() -> None:
@@ -173,14 +173,14 @@ def test_a_prompt_shorter_than_a_block_pushes_its_partial_block() -> None:
     for a prompt wholly in cache), not the whole block."""
     planner = ProducerPlanner(ConnectorSettings(), block_size=128)
     planner.on_new_request(FakeRequest("r", list(range(100)), push_params()))
-    [push] = planner.plan([("r", [0], 0)], [], {"r": 100}).pushes
-    assert push.block_ids == [0]
+    [push] = planner.plan([("r", ([0],), 0)], [], {"r": 100}).pushes
+    assert push.blocks == ([0],)
     answer = planner.finished("r")
     assert answer is not None and answer["kvwire_tokens"] == 100
     consumer = ConsumerPlanner(128)
     request = FakeRequest("r", list(range(100)), answer)
     assert consumer.matched_tokens(request, 0) == (100, True)
-    consumer.allocated(request, [42], 100)
+    consumer.allocated(request, ([42],), 100)
     [load] = consumer.plan().loads
     assert (load.first, load.total, load.block_ids) == (0, 1, [42])
 
@@ -188,7 +188,7 @@ def test_a_prompt_shorter_than_a_block_pushes_its_partial_block() -> None:
 def test_a_request_aborted_before_its_prompt_was_computed_pushed_nothing() -> None:
     planner = ProducerPlanner(ConnectorSettings(), block_size=4)
     planner.on_new_request(FakeRequest("r", list(range(12)), push_params()))
-    planner.plan([("r", [1, 2], 0)], [], {"r": 8})
+    planner.plan([("r", ([1, 2],), 0)], [], {"r": 8})
     answer = planner.finished("r")
     assert answer is not None and answer["kvwire_tokens"] == 0
 
@@ -196,7 +196,7 @@ def test_a_request_aborted_before_its_prompt_was_computed_pushed_nothing() -> No
 def test_bad_params_on_the_prefill_side_mean_no_push_not_a_crash() -> None:
     planner = ProducerPlanner(ConnectorSettings(), block_size=4)
     planner.on_new_request(FakeRequest("r", [1] * 8, push_params(kvwire_deadline=-1)))
-    assert planner.plan([("r", [1, 2], 0)], [], {"r": 8}).pushes == []
+    assert planner.plan([("r", ([1, 2],), 0)], [], {"r": 8}).pushes == []
     assert planner.finished("r") is None
 
 
@@ -207,7 +207,7 @@ def test_the_consumer_is_asked_twice_without_side_effects_then_loads_once() -> N
         "kvwire_deadline": 3})
     assert planner.matched_tokens(request, 4) == (8, True)  # 4 tokens in the local cache
     assert planner.matched_tokens(request, 4) == (8, True)
-    planner.allocated(request, [10, 11, 12, 13], 8)
+    planner.allocated(request, ([10, 11, 12, 13],), 8)
     assert planner.matched_tokens(request, 12) == (0, False)  # asked after the load
     [load] = planner.plan().loads
     assert (load.first, load.total, load.block_ids) == (1, 3, [11, 12])
@@ -233,15 +233,15 @@ def test_pushed_and_loaded_blocks_cover_the_prompt_exactly(prompt: int, block: i
         step = min(chunk, prompt - computed)
         upto = -(-(computed + step) // block)
         new_ids, given_ids = ids[given_ids:upto], upto
-        plan = (producer.plan([("r", new_ids, 0)], [], {"r": step}) if computed == 0 else
-                producer.plan([], [("r", new_ids, False, computed)], {"r": step}))
+        plan = (producer.plan([("r", (new_ids,), 0)], [], {"r": step}) if computed == 0 else
+                producer.plan([], [("r", (new_ids,), False, computed)], {"r": step}))
         pushes += plan.pushes
         computed += step
     answer = producer.finished("r")
     assert answer is not None
     pushed = blocks_of(prompt, block)
     assert answer["kvwire_tokens"] == prompt
-    assert [p.block_ids for p in pushes] == [ids]
+    assert [p.blocks for p in pushes] == [(ids,)]
 
     consumer = ConsumerPlanner(block_size=block)
     request = FakeRequest("d", list(range(prompt)), answer)
@@ -250,11 +250,86 @@ def test_pushed_and_loaded_blocks_cover_the_prompt_exactly(prompt: int, block: i
     tokens, load_async = consumer.matched_tokens(request, local)
     assert load_async and local + tokens == prompt
     decode_ids = [5000 + n for n in range(blocks_needed)]
-    consumer.allocated(request, decode_ids, tokens)
+    consumer.allocated(request, (decode_ids,), tokens)
     [load] = consumer.plan().loads
     assert load.total == pushed
     assert load.block_ids == decode_ids[local // block : pushed]
     assert load.first == local // block
+
+
+def _skipped_blocks(computed: int, window: int, block: int) -> int:
+    """vLLM's SlidingWindowManager: whole blocks before the window of the next
+    token, which it frees and replaces with its null block."""
+    return max(0, computed - window + 1) // block
+
+
+@given(prompt=st.integers(1, 1500), block=st.sampled_from([16, 32, 128]),
+       window=st.integers(1, 600), chunk=st.integers(1, 700))
+def test_a_sliding_group_pushes_only_live_blocks_and_all_that_decode_reads(
+        prompt: int, block: int, window: int, chunk: int) -> None:
+    """With vLLM's hybrid manager on, a sliding-window group's blocks before the
+    window are freed as prefill goes (and may be reused by another request):
+    the push carries none of them, and every block the decode engine keeps
+    for the window is loaded from the push."""
+    producer = ProducerPlanner(ConnectorSettings(), block_size=block, windows=(window, None))
+    producer.on_new_request(FakeRequest("r", list(range(prompt)), push_params()))
+    total = -(-prompt // block)
+    ids = [100 + n for n in range(total)]
+    computed, given_ids, pushes, live_from = 0, 0, [], 0
+    while computed < prompt:
+        step = min(chunk, prompt - computed)
+        live_from = _skipped_blocks(computed, window, block)  # freed before this step
+        upto = -(-(computed + step) // block)
+        new_ids, given_ids = ids[given_ids:upto], upto
+        blocks = (new_ids, [n + 5000 for n in new_ids])
+        plan = (producer.plan([("r", blocks, 0)], [], {"r": step}) if computed == 0 else
+                producer.plan([], [("r", blocks, False, computed)], {"r": step}))
+        pushes += plan.pushes
+        computed += step
+    [push] = pushes
+    sliding, full = push.blocks
+    assert full == [n + 5000 for n in ids]
+    assert sliding == ids[-len(sliding):] and sliding[0] >= ids[live_from]
+    answer = producer.finished("r")
+    assert answer is not None
+
+    consumer = ConsumerPlanner(block_size=block, windows=(window, None))
+    request = FakeRequest("d", list(range(prompt)), answer)
+    tokens, _ = consumer.matched_tokens(request, 0)
+    skipped = _skipped_blocks(prompt, window, block)
+    decode_sliding = [0] * skipped + [7000 + n for n in range(skipped, total)]
+    decode_full = [9000 + n for n in range(total)]
+    consumer.allocated(request, (decode_sliding, decode_full), tokens)
+    [load] = consumer.plan().loads
+    assert load.refusal is None
+    span = load.groups[0]
+    assert span.pushed_from == total - len(sliding)
+    loaded = {span.load_from + n: b for n, b in enumerate(span.block_ids) if b != 0}
+    assert loaded == {n: b for n, b in enumerate(decode_sliding) if b != 0}
+    assert load.groups[1].block_ids == decode_full
+
+
+def test_a_decode_engine_whose_layout_differs_refuses_at_plan_time_naming_both() -> None:
+    from kvwire_vllm.shards import EngineLayout
+
+    mine = EngineLayout(attention="mha", dtype="float32", layers=2, kv_heads=2,
+                        head_size=32, block_size=32, head_bytes=8192,
+                        block_format="cpu/AVX512", groups="full:2")
+    theirs = replace(mine, block_size=128, head_bytes=32768, tp=2)
+    producer = ProducerPlanner(ConnectorSettings(), block_size=128, layout=theirs)
+    producer.on_new_request(FakeRequest("r", list(range(200)), push_params()))
+    producer.plan([("r", ([1, 2],), 0)], [], {"r": 200})
+    answer = producer.finished("r")
+    assert answer is not None and answer["kvwire_layout"]["block_size"] == 128
+    consumer = ConsumerPlanner(block_size=32, layout=mine)
+    request = FakeRequest("d", list(range(200)), answer)
+    tokens, _ = consumer.matched_tokens(request, 0)
+    consumer.allocated(request, (list(range(10, 17)),), tokens)
+    [load] = consumer.plan().loads
+    assert load.refusal is not None
+    assert "block_size: prefill 128, decode 32" in load.refusal
+    assert "head_bytes: prefill 32768, decode 8192" in load.refusal
+    assert "tp" not in load.refusal  # TP sizes differ freely
 
 
 # ------------------------------------------------------------------ seal

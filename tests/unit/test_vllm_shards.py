@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwire_vllm.shards import EngineLayout, HeadPlacement, push_name
+from kvwire_vllm.shards import EngineLayout, HeadPlacement, push_name, transfer_of
 from kvwired.errors import ConfigError, UsageError
 
 
@@ -65,7 +65,8 @@ def test_a_tp_vllm_could_not_run_is_refused_naming_both() -> None:
 
 
 LAYOUT = EngineLayout(attention="mha", dtype="float32", layers=2, kv_heads=2, head_size=32,
-                      block_size=128, head_bytes=32768, block_format="cpu/AVX512", tp=2)
+                      block_size=128, head_bytes=32768, block_format="cpu/AVX512", groups="full:2",
+                      tp=2)
 
 
 def test_layouts_that_differ_only_in_tp_agree() -> None:
@@ -100,3 +101,10 @@ def test_any_params_layout_is_a_layout_or_a_usage_error(raw: dict[str, object]) 
 def test_a_layout_that_is_not_a_mapping_is_a_usage_error(value: object) -> None:
     with pytest.raises(UsageError, match="is not a layout"):
         EngineLayout.from_params(value, "here")
+
+
+@given(st.from_regex(r"[A-Za-z0-9._:-]{1,40}", fullmatch=True), st.integers(0, 1023),
+       st.integers(0, 7), st.integers(1, 8))
+def test_a_push_name_leads_back_to_its_transfer(transfer: str, head: int, group: int,
+                                                groups: int) -> None:
+    assert transfer_of(push_name(transfer, head, min(group, groups - 1), groups)) == transfer
