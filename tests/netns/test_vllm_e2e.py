@@ -13,29 +13,26 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, receiver_config, scrape_in
-from kvctl.netns import sender_config as netns_sender_config
+from kvctl.netns import DaemonProcess, NetnsPair, check_can_run
 from kvctl.vllm import engines
-from kvctl.vllm.engines import EngineError, OfflineProcess, ServeProcess, start_proxy
-from kvwire_vllm.model import make_model
+from kvctl.vllm.engines import OfflineProcess, ServeProcess, start_proxy
 from kvwire_vllm.params import new_transfer_id
 from kvwire_vllm.shards import push_name
 from kvwired.client import SyncReceiverClient, SyncSenderClient
 
 from ..waiting import wait_until
+from .conftest import DEADLINE, POOL, Hosts, make_prompts
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
@@ -45,67 +42,8 @@ BLOCK = 128
 # Not block-aligned and block-aligned; 777 and up are longer than the
 # engines' 512-token batches, so their prefill is chunked.
 LENGTHS = [5, 127, 128, 129, 300, 513, 777, 1000, 1300, 2000]
-DEADLINE = 8.0
 MAX_TOKENS = 12
 HEADS = 2  # the tiny model's KV heads: a request is one push per head
-POOL = 64 << 20  # the receiver's pool: a test fills it
-
-
-@pytest.fixture(scope="module")
-def engine_python() -> str:
-    try:
-        return engines.engine_python()
-    except EngineError as exc:
-        if os.environ.get("KVWIRE_REQUIRE_VLLM"):
-            raise  # make test builds the environment: its absence is a failure there
-        pytest.skip(exc.message)
-
-
-@dataclass
-class Hosts:
-    pair: NetnsPair
-    receiver: DaemonProcess
-    sender: DaemonProcess
-    workdir: Path
-
-    def connector(self, role: str) -> dict[str, Any]:
-        if role == "prefill":
-            return {"sender_socket": self.sender.socket, "deadline": DEADLINE}
-        return {"receiver_socket": self.receiver.socket}
-
-    def receiver_total(self, name: str, **labels: str) -> float:
-        return scrape_in(self.pair, self.pair.decode, 9471).total(name, **labels)
-
-    def pool_used(self) -> float:
-        return self.receiver_total("kvwire_pool_bytes", pool="receive", state="used")
-
-
-@pytest.fixture(scope="module")
-def hosts(engine_python: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    workdir = tmp_path_factory.mktemp("vllm-hosts")
-    with NetnsPair(f"v{os.getpid() % 100000}") as pair:
-        rx = DaemonProcess(pair, pair.decode, "receiver",
-                           receiver_config(pair, workdir, lease_wait=1.0, pool_size=POOL),
-                           workdir)
-        tx = DaemonProcess(pair, pair.prefill, "sender",
-                           netns_sender_config(pair, workdir), workdir)
-        rx.start()
-        tx.start()
-        try:
-            yield Hosts(pair, rx, tx, workdir)
-        finally:
-            tx.stop()
-            rx.stop()
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model") / "tiny", "tiny")
-
-
-def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
