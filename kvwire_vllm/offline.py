@@ -9,7 +9,8 @@ environment:
 A job: ``{"model": DIR, "role": "colocated" | "prefill" | "decode",
 "prompts": [[token ids], ...], "max_tokens": N, "params": [kv_transfer_params
 or null per prompt], "connector": {extra config}, "failure_policy":
-"recompute" | "fail", "engine": {more LLM() arguments}}``; or, instead of
+"recompute" | "fail", "engine": {more LLM() arguments}, "kv_transfer_config":
+{another connector's, in place of kvwire's: a reference}}``; or, instead of
 prompts and params, ``"rounds": [{"prompts", "params", "wait_for": PATH}]``:
 batches one engine runs in turn, each once PATH exists (a test acts between
 them). Progress lines (``kvwire-offline: built``, ``... round N generated``)
@@ -71,9 +72,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     role = job["role"]
     os.environ[COUNTERS_FOLDER] = tempfile.mkdtemp(prefix="kvwire-counters-")
     started = time.perf_counter()
+    transfer = job.get("kv_transfer_config") or kv_transfer_config(
+        role, job.get("connector"), job.get("failure_policy", "recompute"))
     llm = LLM(model=job["model"], **{**ENGINE_DEFAULTS, **job.get("engine", {})},
-              kv_transfer_config=kv_transfer_config(role, job.get("connector"),
-                                                    job.get("failure_policy", "recompute")))
+              kv_transfer_config=transfer)
     built = time.perf_counter() - started
     _mark("built")
     max_tokens = 1 if role == "prefill" else int(job.get("max_tokens", 16))

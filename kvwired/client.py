@@ -762,3 +762,7 @@ class SyncReceiverClient(_SyncClient[ReceiverClient]):
 
     def release(self, req: str) -> None:
         self._runner.run(self._client.release(req))
+
+    def unsubscribe(self, req: str) -> None:
+        """Let go of ``req`` without releasing it: kept for another engine."""
+        self._runner.run(self._client.unsubscribe(req))

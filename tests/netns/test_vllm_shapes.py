@@ -1,0 +1,264 @@
+"""MLA and hybrid engines through kvwire, and a layout two engines cannot share.
+
+- MLA (a DeepSeek-V2-shaped model made here): the latent cache is the same on
+  every rank, so it crosses the wire once, whatever the TP sizes; every
+  decode rank reads that one push.
+- Hybrid (a Gemma-3-shaped model: a sliding-window layer and a full one):
+  vLLM's hybrid KV-cache manager stays on, and the sliding group moves only
+  the blocks inside the window; a second prompt that extends the first hits
+  the decode engine's prefix cache.
+- Engines whose layouts differ (block size): the decode engine refuses the
+  load when it plans it, naming both values; the answer is recomputed, or
+  the request fails, as kv_load_failure_policy says.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from kvctl.netns import check_can_run
+from kvctl.vllm import engines
+from kvctl.vllm.engines import OfflineProcess
+from kvwire_vllm.model import make_model
+from kvwire_vllm.params import new_transfer_id
+from kvwire_vllm.shards import push_name, transfer_of
+from kvwired.client import SyncReceiverClient
+
+from ..waiting import wait_until
+from .conftest import Hosts, make_prompts
+
+_why_not = check_can_run()
+pytestmark = [pytest.mark.netns, pytest.mark.vllm,
+              pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
+
+MAX_TOKENS = 12
+DEADLINE = 60.0  # TP 2 engines share 2 cores here
+SEAL = 64
+# vLLM's CPU MLA kernel takes 16-token blocks only; the latent cache is
+# 512 + 64 floats per token. One request a step: with others in its batch,
+# vLLM 0.32's CPU MLA gives a request other tokens (one engine too: a 193-token
+# prompt alone and beside a 305-token one continue differently), and a
+# connector that loads asynchronously batches requests otherwise than one
+# that loads at once.
+MLA_ENGINE = {"block_size": 16, "max_num_seqs": 1}
+MLA_ROW = 576  # floats per token
+MLA_BLOCK_BYTES = 16 * MLA_ROW * 4
+
+
+def run(hosts: Hosts, model: Path, role: str, prompts: list[list[int]],
+        params: list[dict[str, Any]], engine: dict[str, Any],
+        policy: str = "recompute") -> dict[str, Any]:
+    connector = ({**hosts.connector("prefill"), "deadline": DEADLINE} if role == "prefill"
+                 else hosts.connector("decode"))
+    return engines.offline({"model": str(model), "role": role, "prompts": prompts,
+                            "params": params, "engine": engine, "max_tokens": MAX_TOKENS,
+                            "connector": connector, "failure_policy": policy})
+
+
+def colocated(model: Path, prompts: list[list[int]], engine: dict[str, Any]
+              ) -> list[list[int]]:
+    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
+                              "max_tokens": MAX_TOKENS, "engine": engine})
+    tokens = [o["tokens"] for o in result["outputs"]]
+    assert len({tuple(t) for t in tokens}) == len(tokens), "the model's outputs must differ"
+    return tokens
+
+
+def orders(count: int) -> tuple[list[str], list[dict[str, Any]]]:
+    transfers = [new_transfer_id() for _ in range(count)]
+    return transfers, [{"do_remote_decode": True, "kvwire_transfer": t} for t in transfers]
+
+
+def delivered_pushes(hosts: Hosts, transfers: list[str]) -> dict[str, int]:
+    """Bytes the sender delivered per push name, of these transfers (its log)."""
+    wanted = set(transfers)
+    found = {}
+    for line in hosts.sender.log_path.read_text(errors="replace").splitlines():
+        if '"push delivered"' in line:
+            entry = json.loads(line)
+            if transfer_of(entry["req"]) in wanted:
+                found[entry["req"]] = entry["bytes"]
+    return found
+
+
+# ---------------------------------------------------------------------- MLA
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "mla", "mla")
+
+
+def saved_by_vllms_example_connector(model: Path, prompt: list[int], folder: Path
+                                     ) -> dict[str, np.ndarray]:
+    """Per layer, the latent cache of ``prompt``'s tokens (all but the last) as
+    vLLM's own ExampleConnector saves it from the prefill engine."""
+    engines.offline({"model": str(model), "role": "prefill", "prompts": [prompt],
+                     "max_tokens": 1, "engine": MLA_ENGINE, "kv_transfer_config": {
+                         "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+                         "kv_connector_extra_config": {"shared_storage_path": str(folder)}}})
+    return {path.stem: load_file(str(path))["kv_cache"].reshape(-1, MLA_ROW)
+            for path in folder.rglob("*.safetensors")}
+
+
+def test_an_mla_cache_crosses_the_wire_once_and_any_tp_loads_it(
+        hosts: Hosts, mla_model: Path, tmp_path: Path) -> None:
+    """TP 1 -> TP 1, TP 2 -> TP 1 and TP 1 -> TP 2: one push per request (rank 0's;
+    rank 1 of a TP 2 prefill engine pushes nothing), one copy of the latent
+    cache on the wire, byte for byte what vLLM's own ExampleConnector takes
+    from the prefill engine, and every decode rank loading that one push with
+    every layer's seal intact.
+
+    Greedy tokens are not compared here: vLLM 0.32's CPU MLA is not
+    consistent with itself (a prompt and the same prompt extended by its own
+    first output token continue differently; a request's tokens change with
+    the requests that share its batch), and a decode engine fed these exact
+    bytes by kvwire still answers a 305-token prompt otherwise than one fed by
+    the ExampleConnector (docs/vllm.md, "MLA")."""
+    prompts = make_prompts([193, 305, 609], seed=31)
+    at_tp1, params_tp1 = orders(2 * len(prompts))
+    at_tp2, params_tp2 = orders(len(prompts))
+    one = run(hosts, mla_model, "prefill", prompts + prompts, params_tp1, MLA_ENGINE)
+    two = run(hosts, mla_model, "prefill", prompts, params_tp2,
+              {**MLA_ENGINE, "tensor_parallel_size": 2})
+
+    def latent_bytes(prompt: list[int]) -> int:  # two layers, one latent "head"
+        return 2 * (-(-len(prompt) // 16) * MLA_BLOCK_BYTES + SEAL)
+
+    assert one["counters"]["pushes"] == 2 * len(prompts)
+    assert one["counters"]["pushed_bytes"] == 2 * sum(map(latent_bytes, prompts))
+    ranks = two["counters"]["ranks"]
+    assert (ranks["prefill-rank0"]["pushes"], ranks["prefill-rank1"]["pushes"]) == (3, 0)
+    assert two["counters"]["pushed_bytes"] == sum(map(latent_bytes, prompts))
+    assert list(delivered_pushes(hosts, at_tp2).values()) == \
+        [latent_bytes(p) for p in prompts]
+    layout = two["outputs"][0]["kv_transfer_params"]["kvwire_layout"]
+    assert (layout["attention"], layout["kv_heads"], layout["head_size"]) == ("mla", 1, 576)
+
+    # The bytes of the TP 1 engine's push of the 305-token prompt, in the
+    # receive pool, against vLLM's own connector's copy from an engine of the
+    # same shape.
+    saved = saved_by_vllms_example_connector(mla_model, prompts[1], tmp_path / "example")
+    rows = -(-len(prompts[1]) // 16) * 16
+    with SyncReceiverClient(hosts.receiver.socket) as reader:
+        name = push_name(at_tp1[len(prompts) + 1], 0)
+        view = reader.view(reader.wait_delivered(name, timeout=10))
+        pushed = np.frombuffer(bytes(view), dtype=np.float32).copy()
+        reader.unsubscribe(name)  # left for the decode engine below
+    per_layer = rows * MLA_ROW + SEAL // 4
+    for n in range(2):
+        theirs = saved[f"model.layers.{n}.self_attn.attn"]
+        mine = pushed[n * per_layer : n * per_layer + rows * MLA_ROW].reshape(rows, MLA_ROW)
+        assert np.array_equal(mine[: len(theirs)], theirs), f"layer {n}"
+
+    answers_tp1 = [o["kv_transfer_params"] for o in one["outputs"]]
+    answers_tp2 = [o["kv_transfer_params"] for o in two["outputs"]]
+    # TP 1 and TP 2 prefill into one TP 1 decode engine.
+    decoded = run(hosts, mla_model, "decode", prompts + prompts,
+                  answers_tp1[: len(prompts)] + answers_tp2, MLA_ENGINE)
+    assert decoded["counters"]["loads"] == 2 * len(prompts)
+    assert decoded["counters"]["load_failures"] == 0, decoded["counters"]["failures"]
+    assert decoded["counters"]["loaded_tokens"] == 2 * sum(map(len, prompts))
+    # TP 1 prefill into a TP 2 decode engine: both ranks read the one push.
+    both = run(hosts, mla_model, "decode", prompts, answers_tp1[len(prompts):],
+               {**MLA_ENGINE, "tensor_parallel_size": 2})
+    for name, counters in both["counters"]["ranks"].items():
+        assert (counters["loads"], counters["load_failures"]) == (3, 0), name
+    wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
+
+
+# ------------------------------------------------------------------- hybrid
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model") / "hybrid", "hybrid")
+
+
+def test_a_hybrid_engine_moves_the_sliding_window_only_and_hits_its_prefix_cache(
+        hosts: Hosts, hybrid_model: Path) -> None:
+    """A 700-token prompt, window 64, 128-token blocks: the full group moves 6
+    blocks, the sliding group the 2 that hold the window. A second prompt that
+    extends the first finds its first 5 blocks in the decode engine's prefix
+    cache (loaded by the first), and loads only the rest."""
+    [first] = make_prompts([700], seed=41)
+    second = first + make_prompts([200], seed=42)[0]
+    reference = colocated(hybrid_model, [first, second], {})
+    transfers, params = orders(2)
+    pushed = run(hosts, hybrid_model, "prefill", [first, second], params, {})
+    answers = [o["kv_transfer_params"] for o in pushed["outputs"]]
+    assert answers[0]["kvwire_layout"]["groups"] in ("sliding64:1+full:1",
+                                                     "full:1+sliding64:1")
+    sliding = answers[0]["kvwire_layout"]["groups"].split("+").index("sliding64:1")
+    head_bytes = 128 * 2 * 32 * 4
+
+    def expected(blocks: int) -> int:  # one head's push: one layer, sealed
+        return blocks * head_bytes + SEAL
+
+    sent = delivered_pushes(hosts, transfers[:1])
+    by_group = Counter({name.split(".")[-2]: 0 for name in sent})
+    for name, size in sent.items():
+        by_group[name.split(".")[-2]] += size
+    assert by_group[f"g{sliding}"] == 2 * expected(2)  # 2 heads, 2 of 6 blocks
+    assert by_group[f"g{1 - sliding}"] == 2 * expected(6)
+
+    engine = OfflineProcess({
+        "model": str(hybrid_model), "role": "decode", "max_tokens": MAX_TOKENS,
+        "connector": hosts.connector("decode"),
+        "rounds": [{"prompts": [first], "params": answers[:1]},
+                   {"prompts": [second], "params": answers[1:]}]},
+        hosts.workdir / "hybrid-decode")
+    try:
+        decoded = engine.result()
+    finally:
+        engine.kill()
+    assert [o["tokens"] for o in decoded["outputs"]] == reference
+    counters = decoded["counters"]
+    assert counters["load_failures"] == 0, counters["failures"]
+    assert counters["loads"] == 2
+    # The second prompt's first 5 blocks (640 tokens) came from the decode
+    # engine's own cache: only the rest was loaded.
+    assert counters["loaded_tokens"] == len(first) + len(second) - 640
+    assert decoded["outputs"][1]["num_cached_tokens"] >= 640
+    wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
+
+
+# ----------------------------------------------------------- layout mismatch
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_block_size_mismatch_is_refused_when_the_load_is_planned(
+        hosts: Hosts, model: Path, policy: str) -> None:
+    prompts = make_prompts([300, 700], seed=51)
+    _, params = orders(len(prompts))
+    pushed = run(hosts, model, "prefill", prompts, params, {})  # 128-token blocks
+    assert pushed["counters"]["pushes"] == 2 * len(prompts)
+    engine = OfflineProcess({
+        "model": str(model), "role": "decode", "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "params": [o["kv_transfer_params"] for o in pushed["outputs"]],
+        "connector": hosts.connector("decode"), "failure_policy": policy,
+        "engine": {"block_size": 32}}, hosts.workdir / f"mismatch-{policy}")
+    try:
+        decoded = engine.result()
+    finally:
+        engine.kill()
+    log = engine.err.read_text(errors="replace")
+    assert "block_size: prefill 128, decode 32" in log
+    counters = decoded["counters"]
+    # Refused by the plan, never by a seal.
+    assert counters["failures"] == {"load:layout_mismatch": len(prompts)}, counters
+    if policy == "recompute":
+        assert [o["tokens"] for o in decoded["outputs"]] == \
+            colocated(model, prompts, {"block_size": 32})
+    else:
+        assert all(o["finish_reason"] == "error" and o["tokens"] == []
+                   for o in decoded["outputs"])
+    # The refused pushes were released as they opened: nothing waits in the pool.
+    wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
