@@ -50,6 +50,9 @@ from .shards import LayoutMismatch, push_name
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.consumer")
+# Seconds an engine that stops gives its refused pushes to be released; those
+# still arriving then are reclaimed by the receiver as it leaves.
+DISCARD_GRACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class Consumer:
         self.thread = LoopThread()
         self._daemon = DaemonLink(lambda: ReceiverClient.connect(self.settings.receiver_socket))
         self._tasks: dict[str, asyncio.Task[None]] = {}  # touched on the loop only
+        self._discards: set[asyncio.Task[None]] = set()  # refused loads' pushes
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
@@ -111,7 +115,13 @@ class Consumer:
         every layer of every push is copied and the receiver says each push
         is delivered."""
         if plan.refusal is not None:
-            self.thread.loop.create_task(self._discard(plan))
+            client = await self._daemon.client()
+            pushes = self._pushes(plan)
+            for push in pushes:  # held from now: reclaimed if this engine goes
+                client.subscribe(push.name, push.readers)
+            task = self.thread.loop.create_task(self._discard(client, plan, pushes))
+            self._discards.add(task)
+            task.add_done_callback(self._discards.discard)
             raise LayoutMismatch(f"request {plan.req_id}: {plan.refusal}")
         client = await self._daemon.client()
         async with asyncio.timeout(plan.order.wait), asyncio.TaskGroup() as group:
@@ -147,18 +157,18 @@ class Consumer:
             with contextlib.suppress(KvwireError):
                 await asyncio.shield(client.release(push.name))
 
-    async def _discard(self, plan: LoadPlan) -> None:
-        """A refused load's pushes, released as each opens (before its deadline)."""
-        async def discard(client: ReceiverClient, push: _HeadLoad) -> None:
+    async def _discard(self, client: ReceiverClient, plan: LoadPlan,
+                       pushes: list[_HeadLoad]) -> None:
+        """A refused load's pushes, released as each opens (before its deadline):
+        one still arriving is aborted, and the prefill side hears why."""
+        async def discard(push: _HeadLoad) -> None:
             with contextlib.suppress(KvwireError, TimeoutError):
                 async with asyncio.timeout(plan.order.wait):
                     async for _ in client.events(push.name, push.readers):
                         break
             with contextlib.suppress(KvwireError):
                 await client.release(push.name)
-        with contextlib.suppress(KvwireError):
-            client = await self._daemon.client()
-            await asyncio.gather(*(discard(client, p) for p in self._pushes(plan)))
+        await asyncio.gather(*(discard(p) for p in pushes))
 
     def _copy(self, plan: LoadPlan, push: _HeadLoad, view: memoryview,
               layers: Iterable[int], copied: set[int]) -> None:
@@ -239,6 +249,8 @@ class Consumer:
         async def disconnect() -> None:
             for task in list(self._tasks.values()):
                 task.cancel()
+            if self._discards:  # refused pushes that opened are released at once
+                await asyncio.wait(set(self._discards), timeout=DISCARD_GRACE)
             await self._daemon.close()
         if self.thread.loop.is_running():
             self.thread.run(disconnect())

@@ -249,8 +249,8 @@ def test_a_block_size_mismatch_is_refused_when_the_load_is_planned(
         decoded = engine.result()
     finally:
         engine.kill()
-    log = engine.err.read_text(errors="replace")
-    assert "block_size: prefill 128, decode 32" in log
+    log = engine.out.read_text(errors="replace") + engine.err.read_text(errors="replace")
+    assert "block_size: prefill 128, decode 32" in log  # vLLM logs to stdout
     counters = decoded["counters"]
     # Refused by the plan, never by a seal.
     assert counters["failures"] == {"load:layout_mismatch": len(prompts)}, counters
