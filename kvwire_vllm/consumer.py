@@ -45,7 +45,7 @@ from .daemon_link import DaemonLink
 from .describe import CacheGroup
 from .params import ConnectorSettings
 from .scheduling import NULL_BLOCK, GroupLoad, LoadPlan
-from .seal import LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
+from .seal import SEAL_BYTES, LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
 from .shards import LayoutMismatch, push_name
 from .stats import ConnectorCounters
 
@@ -179,12 +179,13 @@ class Consumer:
         pushed = plan.total - span.pushed_from
         size = layer_bytes(pushed, group.head_bytes)
         count = len(group.layer_names)
+        expected = LayerSeal(0, count, pushed, self.cache.block_size, group.head_bytes,
+                             transfer_hash(push.name), self.cache.fingerprint, 0)
         if len(view) != size * count:
+            self._check_prefill_layout(plan, view, count, expected)
             raise SealBroken(f"the push {push.name} is {len(view)} B; {count} layers of "
                              f"{size} B were expected (do both engines run the same model, "
                              "dtype and block size?)")
-        expected = LayerSeal(0, count, pushed, self.cache.block_size, group.head_bytes,
-                             transfer_hash(push.name), self.cache.fingerprint, 0)
         # The blocks this engine fills, and where each lies in the push.
         positions = [(n, b) for n, b in enumerate(span.block_ids) if b != NULL_BLOCK]
         skip = span.load_from - span.pushed_from
@@ -203,6 +204,25 @@ class Consumer:
                     self.cache.write_head(group.layer_names[n], push.head, [block],
                                           kv[start : start + group.head_bytes])
             copied.add(n)
+
+    @staticmethod
+    def _check_prefill_layout(plan: LoadPlan, view: memoryview, layers: int,
+                              expected: LayerSeal) -> None:
+        """A push of another size than this engine expects: when the decode
+        engine was asked before the prefill engine announced its layout (the
+        proxy's parallel flow), the first layer's seal says what differs."""
+        if layers and len(view) % layers == 0 and len(view) // layers >= SEAL_BYTES:
+            size = len(view) // layers
+            with contextlib.suppress(SealBroken):
+                seal = LayerSeal.unpack(view[size - SEAL_BYTES : size])
+                differences = [f"{name}: prefill {getattr(seal, name)}, decode "
+                               f"{getattr(expected, name)}"
+                               for name in ("layers", "block_size", "block_bytes", "blocks")
+                               if getattr(seal, name) != getattr(expected, name)]
+                if differences:
+                    raise LayoutMismatch(
+                        f"request {plan.req_id}: the prefill engine's KV layout differs "
+                        "from this engine's: " + "; ".join(differences))
 
     def _bytes(self, plan: LoadPlan) -> int:
         """KV bytes a load wrote into this rank's cache."""

@@ -20,6 +20,7 @@ from kvwire_vllm.model import make_model
 
 DEADLINE = 8.0  # seconds a push may take
 POOL = 64 << 20  # the receiver's pool: tests fill it
+MAX_TOKENS = 12  # tokens each prompt is decoded to
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 1024) for _ in range(n)] for n in lengths]
+
+
+def plain_engine_tokens(model: Path, prompts: list[list[int]],
+                        engine: dict[str, Any] | None = None) -> list[list[int]]:
+    """The reference: one engine, prefill and decode, no connector. The model's
+    outputs must differ from prompt to prompt, or equal tokens prove nothing."""
+    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
+                              "max_tokens": MAX_TOKENS, "engine": engine or {}})
+    tokens = [o["tokens"] for o in result["outputs"]]
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert len({tuple(t) for t in tokens}) == len(tokens), "the model's outputs must differ"
+    return tokens

@@ -32,7 +32,7 @@ from kvwire_vllm.shards import push_name
 from kvwired.client import SyncReceiverClient, SyncSenderClient
 
 from ..waiting import wait_until
-from .conftest import DEADLINE, POOL, Hosts, make_prompts
+from .conftest import DEADLINE, MAX_TOKENS, POOL, Hosts, make_prompts, plain_engine_tokens
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
@@ -42,7 +42,6 @@ BLOCK = 128
 # Not block-aligned and block-aligned; 777 and up are longer than the
 # engines' 512-token batches, so their prefill is chunked.
 LENGTHS = [5, 127, 128, 129, 300, 513, 777, 1000, 1300, 2000]
-MAX_TOKENS = 12
 HEADS = 2  # the tiny model's KV heads: a request is one push per head
 
 
@@ -53,13 +52,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """The reference: one engine, prefill and decode, no connector."""
-    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
-                              "max_tokens": MAX_TOKENS})
-    tokens = [o["tokens"] for o in result["outputs"]]
-    assert all(len(t) == MAX_TOKENS for t in tokens)
-    assert len({tuple(t) for t in tokens}) == len(tokens), "the model's outputs must differ"
-    return tokens
+    return plain_engine_tokens(model, prompts)
 
 
 def prefill(hosts: Hosts, model: Path, prompts: list[list[int]],

@@ -21,7 +21,7 @@ from kvwired.client import SyncReceiverClient, SyncSenderClient
 from kvwired.pool import align_up
 
 from ..waiting import wait_until
-from .conftest import POOL, Hosts, make_prompts
+from .conftest import MAX_TOKENS, POOL, Hosts, make_prompts, plain_engine_tokens
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
@@ -30,7 +30,6 @@ pytestmark = [pytest.mark.netns, pytest.mark.vllm,
 # Not block-aligned; 777 and 1300 are longer than the engines' 512-token
 # batches, so their prefill is chunked; one batch: concurrent requests.
 LENGTHS = [5, 300, 777, 1300]
-MAX_TOKENS = 12
 HEADS = 2  # the tiny model's KV heads
 HEAD_BYTES = 128 * 2 * 32 * 4  # one head of one block of one layer: 128 tokens of K and V
 SEAL = 64
@@ -55,9 +54,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def colocated(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
-                              "max_tokens": MAX_TOKENS})
-    return [o["tokens"] for o in result["outputs"]]
+    return plain_engine_tokens(model, prompts)
 
 
 def prefill(hosts: Hosts, model: Path, prompts: list[list[int]], size: int,

@@ -32,13 +32,12 @@ from kvwire_vllm.shards import push_name, transfer_of
 from kvwired.client import SyncReceiverClient
 
 from ..waiting import wait_until
-from .conftest import Hosts, make_prompts
+from .conftest import MAX_TOKENS, Hosts, make_prompts, plain_engine_tokens
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.vllm,
               pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
 
-MAX_TOKENS = 12
 DEADLINE = 60.0  # TP 2 engines share 2 cores here
 SEAL = 64
 # vLLM's CPU MLA kernel takes 16-token blocks only; the latent cache is
@@ -60,15 +59,6 @@ def run(hosts: Hosts, model: Path, role: str, prompts: list[list[int]],
     return engines.offline({"model": str(model), "role": role, "prompts": prompts,
                             "params": params, "engine": engine, "max_tokens": MAX_TOKENS,
                             "connector": connector, "failure_policy": policy})
-
-
-def colocated(model: Path, prompts: list[list[int]], engine: dict[str, Any]
-              ) -> list[list[int]]:
-    result = engines.offline({"model": str(model), "role": "colocated", "prompts": prompts,
-                              "max_tokens": MAX_TOKENS, "engine": engine})
-    tokens = [o["tokens"] for o in result["outputs"]]
-    assert len({tuple(t) for t in tokens}) == len(tokens), "the model's outputs must differ"
-    return tokens
 
 
 def orders(count: int) -> tuple[list[str], list[dict[str, Any]]]:
@@ -121,7 +111,7 @@ def test_an_mla_cache_crosses_the_wire_once_and_any_tp_loads_it(
     first output token continue differently; a request's tokens change with
     the requests that share its batch), and a decode engine fed these exact
     bytes by kvwire still answers a 305-token prompt otherwise than one fed by
-    the ExampleConnector (docs/vllm.md, "MLA")."""
+    the ExampleConnector (README, "What the CPU test proves")."""
     prompts = make_prompts([193, 305, 609], seed=31)
     at_tp1, params_tp1 = orders(2 * len(prompts))
     at_tp2, params_tp2 = orders(len(prompts))
@@ -190,7 +180,7 @@ def test_a_hybrid_engine_moves_the_sliding_window_only_and_hits_its_prefix_cache
     cache (loaded by the first), and loads only the rest."""
     [first] = make_prompts([700], seed=41)
     second = first + make_prompts([200], seed=42)[0]
-    reference = colocated(hybrid_model, [first, second], {})
+    reference = plain_engine_tokens(hybrid_model, [first, second])
     transfers, params = orders(2)
     pushed = run(hosts, hybrid_model, "prefill", [first, second], params, {})
     answers = [o["kv_transfer_params"] for o in pushed["outputs"]]
@@ -233,30 +223,42 @@ def test_a_hybrid_engine_moves_the_sliding_window_only_and_hits_its_prefix_cache
 # ----------------------------------------------------------- layout mismatch
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_a_block_size_mismatch_is_refused_when_the_load_is_planned(
-        hosts: Hosts, model: Path, policy: str) -> None:
+@pytest.mark.parametrize(("policy", "flow"), [("recompute", "sequential"),
+                                              ("fail", "sequential"),
+                                              ("recompute", "parallel")])
+def test_a_block_size_mismatch_is_refused_naming_both_sides(
+        hosts: Hosts, model: Path, policy: str, flow: str) -> None:
+    """Sequential (the decode engine gets the prefill engine's answer): refused
+    when the load is planned. Parallel (the proxy's default: asked at the same
+    time, before any layout is announced): refused from the first layer's
+    seal, before a byte reaches the cache."""
     prompts = make_prompts([300, 700], seed=51)
-    _, params = orders(len(prompts))
+    transfers, params = orders(len(prompts))
     pushed = run(hosts, model, "prefill", prompts, params, {})  # 128-token blocks
     assert pushed["counters"]["pushes"] == 2 * len(prompts)
+    answers = [o["kv_transfer_params"] for o in pushed["outputs"]]
+    if flow == "parallel":  # what the proxy asks the decode engine, unannounced
+        answers = [{"do_remote_prefill": True, "kvwire_transfer": t, "kvwire_deadline": 20}
+                   for t in transfers]
     engine = OfflineProcess({
         "model": str(model), "role": "decode", "prompts": prompts, "max_tokens": MAX_TOKENS,
-        "params": [o["kv_transfer_params"] for o in pushed["outputs"]],
+        "params": answers,
         "connector": hosts.connector("decode"), "failure_policy": policy,
-        "engine": {"block_size": 32}}, hosts.workdir / f"mismatch-{policy}")
+        "engine": {"block_size": 32}}, hosts.workdir / f"mismatch-{policy}-{flow}")
     try:
         decoded = engine.result()
     finally:
         engine.kill()
     log = engine.out.read_text(errors="replace") + engine.err.read_text(errors="replace")
     assert "block_size: prefill 128, decode 32" in log  # vLLM logs to stdout
+    if flow == "parallel":
+        assert "block_bytes: prefill 32768, decode 8192" in log
     counters = decoded["counters"]
     # Refused by the plan, never by a seal.
     assert counters["failures"] == {"load:layout_mismatch": len(prompts)}, counters
     if policy == "recompute":
         assert [o["tokens"] for o in decoded["outputs"]] == \
-            colocated(model, prompts, {"block_size": 32})
+            plain_engine_tokens(model, prompts, {"block_size": 32})
     else:
         assert all(o["finish_reason"] == "error" and o["tokens"] == []
                    for o in decoded["outputs"])
