@@ -23,7 +23,15 @@ decode side's part (after prefill answered: the pull connectors' whole
 transfer, kvwire's wait for what is left of its push); kvwire's transfer and
 the part of it after the last layer; and each engine's CPU use while idle.
 
-    python -m benchmarks.vllm_connectors [--connectors kvwire,nixl] [--repeat 5]
+Engine shapes (``--shapes``): ``tp1`` (one worker each side, the default),
+``tp2-tp2`` and ``tp2-tp1`` (tensor parallel, the prefill engine at TP 2),
+and ``mla`` (a DeepSeek-V2-shaped model made locally, 16-token blocks).
+Per request it also counts the bytes that crossed the veth between the
+two hosts (both directions, everything: KV, control, HTTP), and a connector
+that refuses a shape is reported with its error.
+
+    python -m benchmarks.vllm_connectors [--connectors kvwire,nixl] [--repeat 5] \
+        [--shapes tp1,tp2-tp2,tp2-tp1,mla]
 
 It needs root (namespaces), ``make vllm-env``, and for the peers
 ``.venv-vllm/bin/pip install nixl nixl-cu12 mooncake-transfer-engine-non-cuda``.
@@ -40,6 +48,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +61,24 @@ from kvwired.errors import KvwireError
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTORS = ["kvwire", "nixl-tuned", "nixl", "mooncake"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Both engines' parallel sizes and the model they run."""
+
+    model: str  # a kvwire_vllm.model shape
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    block_size: int = 128
+
+    def args(self, side: str) -> list[str]:
+        tp = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(side, 1)
+        return ["--tensor-parallel-size", str(tp), "--block-size", str(self.block_size)]
+
+
+SHAPES = {"tp1": Shape("bench"), "tp2-tp2": Shape("bench", 2, 2),
+          "tp2-tp1": Shape("bench", 2, 1), "mla": Shape("mla", block_size=16)}
 LENGTHS = [256, 1000, 4000]
 DEADLINE = 30.0
 IDLE_SECONDS = 5.0
@@ -92,8 +119,20 @@ def server_settings(name: str, pair: NetnsPair, receiver: DaemonProcess,
     raise SystemExit(f"unknown connector {name!r}; choose from {', '.join(CONNECTORS)}")
 
 
+def wire_bytes(pair: NetnsPair) -> int:
+    """Bytes the decode host's end of the veth sent and received so far."""
+    counts = []
+    for direction in ("rx_bytes", "tx_bytes"):
+        done = subprocess.run(pair.argv(pair.decode, [
+            "cat", f"/sys/class/net/{pair.decode.ifname}/statistics/{direction}"]),
+            capture_output=True, text=True, check=True)
+        counts.append(int(done.stdout))
+    return sum(counts)
+
+
 def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonProcess,
-            model: Path, work: Path, prompts: dict[int, list[list[int]]]) -> dict[str, Any]:
+            model: Path, work: Path, prompts: dict[int, list[list[int]]],
+            shape: Shape = SHAPES["tp1"]) -> dict[str, Any]:
     ports = {"prefill": 8100, "decode": 8200, "colocated": 8300}
     with ExitStack() as stack:
         servers: dict[str, ServeProcess] = {}
@@ -105,7 +144,7 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
             server = ServeProcess(model, host.address, ports[side],
                                   work / f"{name}-{side}.log", prefix=pair.argv(host, []),
                                   kv_cache_bytes=KV_CACHE, max_batched_tokens=BATCH,
-                                  kv_transfer=kv, env=env)
+                                  kv_transfer=kv, env=env, extra_args=shape.args(side))
             stack.callback(server.stop)
             servers[side] = server.start()
         for server in servers.values():
@@ -135,7 +174,9 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
             rows[length] = []
             for prompt in batch:
                 [alone] = send(pair, plain.url, [prompt])
+                before = wire_bytes(pair)
                 [answer] = ask([prompt])
+                crossed = wire_bytes(pair) - before
                 push = transfers(sender).get(answer["transfer"] or "", {}) \
                     if name == "kvwire" else {}
                 rows[length].append({
@@ -143,7 +184,8 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                     "tokens": answer["tokens"], "ttft_colocated": alone["ttft"],
                     "same": answer["tokens"] == alone["tokens"],
                     "transfer_seconds": push.get("transfer_seconds"),
-                    "drain_seconds": push.get("drain_seconds")})
+                    "drain_seconds": push.get("drain_seconds"),
+                    "kv_bytes": push.get("bytes"), "wire_bytes": crossed})
         return {"connector": name, "idle_cores": idle, "lengths": rows}
 
 
@@ -192,20 +234,24 @@ def report(results: list[dict[str, Any]]) -> list[list[object]]:
             transfer = [r["transfer_seconds"] * 1e3 for r in runs
                         if r["transfer_seconds"] is not None]
             drain = [r["drain_seconds"] * 1e3 for r in runs if r["drain_seconds"] is not None]
+            wire = p50([r["wire_bytes"] for r in runs if r.get("wire_bytes") is not None]
+                       or [0])
             rows.append([
-                result["connector"], length, f"{alone:.0f}", f"{ttft:.0f}", f"{added:+.0f}",
+                result.get("shape", "tp1"), result["connector"], length, f"{alone:.0f}",
+                f"{ttft:.0f}", f"{added:+.0f}",
                 f"{p50(decode_part):.0f}" if decode_part else "-",
                 f"{p50(transfer):.0f}" if transfer else "-",
                 f"{p50(drain):.1f}" if drain else "-",
                 f"{(1 - sum(drain) / sum(transfer)) * 100:.0f} %" if transfer else "-",
+                f"{wire / 2**20:.1f}",
                 " / ".join(f"{v:.2f}" for v in result["idle_cores"].values()),
                 "yes" if all(r["same"] for r in runs) else "NO"])
     return rows
 
 
-HEADERS = ["connector", "tokens", "TTFT one engine ms", "TTFT ms", "added ms (paired p50)",
-           "decode side ms", "transfer ms", "after last layer ms", "hidden",
-           "idle cores (prefill / decode)", "same tokens"]
+HEADERS = ["shape", "connector", "tokens", "TTFT one engine ms", "TTFT ms",
+           "added ms (paired p50)", "decode side ms", "transfer ms", "after last layer ms",
+           "hidden", "wire MiB", "idle cores (prefill / decode)", "same tokens"]
 
 
 def main() -> None:
@@ -213,6 +259,8 @@ def main() -> None:
     parser.add_argument("--connectors", default=",".join(CONNECTORS))
     parser.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--shapes", default="tp1",
+                        help=f"engine shapes, of {', '.join(SHAPES)}")
     parser.add_argument("--out", type=Path, default=Path("results/bench-vllm.json"))
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -220,20 +268,31 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     failures: dict[str, str] = {}
     started = time.monotonic()
+    shapes = args.shapes.split(",")
+    unknown = sorted(set(shapes) - set(SHAPES))
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(SHAPES)}")
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-vllm-") as tmp:
         work = Path(tmp)
-        model = make_model(work / "model", "bench")
         with two_hosts(work, receiver={"pool_size": "512MiB"},
                        sender={"staging_size": "512MiB"}) as (pair, receiver, sender):
-            for name in args.connectors.split(","):
-                print(f"{name}: starting its servers", flush=True)
-                try:
-                    results.append(run_one(name, pair, receiver, sender, model, work, prompts))
-                except (KvwireError, OSError) as exc:
-                    failures[name] = str(exc)[-1500:]
-                    print(f"{name}: did not run: {failures[name]}", flush=True)
-                else:
-                    print(table.render(HEADERS, report(results)[-len(lengths):]), flush=True)
+            for shape_name in shapes:
+                shape = SHAPES[shape_name]
+                model = make_model(work / shape.model, shape.model)
+                for name in args.connectors.split(","):
+                    key = f"{shape_name}/{name}"
+                    print(f"{key}: starting its servers", flush=True)
+                    try:
+                        result = run_one(name, pair, receiver, sender, model, work, prompts,
+                                         shape)
+                    except (KvwireError, OSError) as exc:
+                        failures[key] = str(exc)[-1500:]
+                        print(f"{key}: did not run: {failures[key]}", flush=True)
+                    else:
+                        results.append({**result, "shape": shape_name})
+                        print(table.render(HEADERS, report(results)[-len(lengths):]),
+                              flush=True)
     print("\n" + table.render(HEADERS, report(results)))
     for name, why in failures.items():
         print(f"\n{name} did not run:\n{why}")

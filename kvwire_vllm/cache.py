@@ -26,6 +26,14 @@ from .describe import CacheGroup, EngineCache
 from .seal import layout_fingerprint
 
 
+def block_format(device: str = "cpu") -> str:
+    """The attention kernel's private block layout, as far as it can differ
+    between two hosts: on the CPU backend it follows the instruction set."""
+    if device == "cpu":
+        return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
+    return device
+
+
 class KVCacheBlocks:
     """Per layer, the cache as ``[num_blocks, local_heads, head_bytes]`` uint8."""
 

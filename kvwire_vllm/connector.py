@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from . import stats as stats_module
-from .cache import KVCacheBlocks
+from .cache import KVCacheBlocks, block_format
 from .describe import describe
 from .params import ConnectorSettings
 from .scheduling import ConsumerPlanner, ProducerPlanner, StepPlan
@@ -105,7 +105,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         self.producing = transfer.kv_role == "kv_producer"
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         # Refuses, now, a shape kvwire cannot carry (pipeline stages, Mamba ...).
-        self.engine = describe(vllm_config, kv_cache_config)
+        device = getattr(vllm_config.device_config, "device_type", None) or "cpu"
+        self.engine = describe(vllm_config, kv_cache_config, block_format(str(device)))
         self.block_size = self.engine.layout.block_size
         self.counters = stats_module.ConnectorCounters()
         self._reported = stats_module.ConnectorCounters.empty()  # what vLLM took

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from kvwired.errors import ConfigError
 
 from .shards import EngineLayout, HeadPlacement
@@ -51,17 +49,10 @@ class EngineCache:
         return self.layout.placement
 
 
-def block_format(device: str = "cpu") -> str:
-    """The attention kernel's private block layout, as far as it can differ
-    between two hosts: on the CPU backend it follows the instruction set."""
-    if device == "cpu":
-        return f"cpu/{torch.backends.cpu.get_cpu_capability()}"
-    return device
-
-
-def describe(vllm_config: Any, kv_cache_config: Any) -> EngineCache:
+def describe(vllm_config: Any, kv_cache_config: Any, block_format: str) -> EngineCache:
     """The engine's layout and cache groups; ``ConfigError`` for a shape kvwire
-    cannot carry, saying what can."""
+    cannot carry, saying what can. ``block_format``: the attention kernel's
+    private layout inside a block (kvwire_vllm.cache.block_format)."""
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         raise ConfigError(
@@ -88,8 +79,7 @@ def describe(vllm_config: Any, kv_cache_config: Any) -> EngineCache:
         head_size=int(first.head_size),
         block_size=int(first.block_size),
         head_bytes=groups[0].head_bytes,
-        block_format=block_format(str(getattr(vllm_config.device_config, "device_type",
-                                              "cpu") or "cpu")),
+        block_format=block_format,
         groups="+".join(g.label for g in groups),
         tp=int(parallel.tensor_parallel_size))
     for group in groups:
