@@ -132,7 +132,9 @@ def wire_bytes(pair: NetnsPair) -> int:
 
 def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonProcess,
             model: Path, work: Path, prompts: dict[int, list[list[int]]],
-            shape: Shape = SHAPES["tp1"]) -> dict[str, Any]:
+            shape: Shape = SHAPES["tp1"], flow: str | None = None) -> dict[str, Any]:
+    """``flow``: the proxy's, for kvwire (parallel by default); the pull
+    connectors always go sequential."""
     ports = {"prefill": 8100, "decode": 8200, "colocated": 8300}
     with ExitStack() as stack:
         servers: dict[str, ServeProcess] = {}
@@ -162,7 +164,8 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                                   f"decode={servers['decode'].url}",
                                   f"{pair.prefill.address}:8000", DEADLINE,
                                   work / f"{name}-proxy.log",
-                                  "parallel" if name == "kvwire" else "sequential")
+                                  (flow or "parallel") if name == "kvwire"
+                                  else "sequential")
 
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return send(pair, url, batch)
@@ -186,7 +189,8 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                     "transfer_seconds": push.get("transfer_seconds"),
                     "drain_seconds": push.get("drain_seconds"),
                     "kv_bytes": push.get("bytes"), "wire_bytes": crossed})
-        return {"connector": name, "idle_cores": idle, "lengths": rows}
+        label = f"{name} ({flow})" if name == "kvwire" and flow else name
+        return {"connector": label, "idle_cores": idle, "lengths": rows}
 
 
 def _route(pair: NetnsPair, servers: dict[str, ServeProcess]
@@ -261,6 +265,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--shapes", default="tp1",
                         help=f"engine shapes, of {', '.join(SHAPES)}")
+    parser.add_argument("--flow", choices=["parallel", "sequential"], default=None,
+                        help="the proxy's flow for kvwire (default: parallel)")
     parser.add_argument("--out", type=Path, default=Path("results/bench-vllm.json"))
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -285,7 +291,7 @@ def main() -> None:
                     print(f"{key}: starting its servers", flush=True)
                     try:
                         result = run_one(name, pair, receiver, sender, model, work, prompts,
-                                         shape)
+                                         shape, args.flow)
                     except (KvwireError, OSError) as exc:
                         failures[key] = str(exc)[-1500:]
                         print(f"{key}: did not run: {failures[key]}", flush=True)
