@@ -35,35 +35,23 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
-from .describe import CacheGroup
+from .describe import HeadPush
 from .params import ConnectorSettings
-from .scheduling import NULL_BLOCK, GroupLoad, LoadPlan
+from .scheduling import NULL_BLOCK, LoadPlan
 from .seal import SEAL_BYTES, LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
-from .shards import LayoutMismatch, push_name
+from .shards import LayoutMismatch
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.consumer")
 # Seconds an engine that stops gives its refused pushes to be released; those
 # still arriving then are reclaimed by the receiver as it leaves.
 DISCARD_GRACE = 2.0
-
-
-@dataclass(frozen=True)
-class _HeadLoad:
-    """One push a load reads: a head this rank holds, of one KV-cache group."""
-
-    name: str  # the daemons' request id
-    group: CacheGroup
-    span: GroupLoad
-    head: int  # on this rank's head axis
-    readers: int  # ranks of this engine that read it
 
 
 class Consumer:
@@ -128,18 +116,14 @@ class Consumer:
             for push in self._pushes(plan):
                 group.create_task(self._load_push(client, plan, push))
 
-    def _pushes(self, plan: LoadPlan) -> list[_HeadLoad]:
+    def _pushes(self, plan: LoadPlan) -> list[HeadPush]:
+        """The pushes of the heads this rank holds, every group's."""
         engine = self.cache.engine
-        placement = engine.placement
-        held = placement.held(self.rank)
-        return [_HeadLoad(push_name(plan.order.transfer, head, group.index,
-                                    len(engine.groups)),
-                          group, plan.groups[group.index], head - held.start,
-                          placement.readers(head))
-                for group in engine.groups for head in held]
+        return engine.head_pushes(plan.order.transfer, engine.placement.held(self.rank),
+                                  self.rank)
 
     async def _load_push(self, client: ReceiverClient, plan: LoadPlan,
-                         push: _HeadLoad) -> None:
+                         push: HeadPush) -> None:
         copied: set[int] = set()
         try:
             async for event in client.events(push.name, push.readers):
@@ -158,10 +142,10 @@ class Consumer:
                 await asyncio.shield(client.release(push.name))
 
     async def _discard(self, client: ReceiverClient, plan: LoadPlan,
-                       pushes: list[_HeadLoad]) -> None:
+                       pushes: list[HeadPush]) -> None:
         """A refused load's pushes, released as each opens (before its deadline):
         one still arriving is aborted, and the prefill side hears why."""
-        async def discard(push: _HeadLoad) -> None:
+        async def discard(push: HeadPush) -> None:
             with contextlib.suppress(KvwireError, TimeoutError):
                 async with asyncio.timeout(plan.order.wait):
                     async for _ in client.events(push.name, push.readers):
@@ -170,12 +154,12 @@ class Consumer:
                 await client.release(push.name)
         await asyncio.gather(*(discard(p) for p in pushes))
 
-    def _copy(self, plan: LoadPlan, push: _HeadLoad, view: memoryview,
+    def _copy(self, plan: LoadPlan, push: HeadPush, view: memoryview,
               layers: Iterable[int], copied: set[int]) -> None:
         """Layers' seals checked, then their blocks copied into vLLM's: on the
         loop's thread, so a cancelled load cannot leave a copy running behind
         it."""
-        group, span = push.group, push.span
+        group, span = push.group, plan.groups[push.group.index]
         pushed = plan.total - span.pushed_from
         size = layer_bytes(pushed, group.head_bytes)
         count = len(group.layer_names)

@@ -17,7 +17,7 @@ from typing import Any
 
 from kvwired.errors import ConfigError
 
-from .shards import EngineLayout, HeadPlacement
+from .shards import EngineLayout, HeadPlacement, push_name
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,16 @@ class CacheGroup:
 
 
 @dataclass(frozen=True)
+class HeadPush:
+    """One push of a request as a rank sees it: a KV head of one group."""
+
+    name: str  # the daemons' request id
+    group: CacheGroup
+    head: int  # on this rank's head axis
+    readers: int  # decode ranks that read it
+
+
+@dataclass(frozen=True)
 class EngineCache:
     """What one engine (or one of its ranks) moves."""
 
@@ -47,6 +57,14 @@ class EngineCache:
     @property
     def placement(self) -> HeadPlacement:
         return self.layout.placement
+
+    def head_pushes(self, transfer: str, heads: range, rank: int) -> list[HeadPush]:
+        """``transfer``'s pushes of ``heads`` (some of those rank ``rank`` holds),
+        every group's: the names both engines' ranks agree on."""
+        held = self.placement.held(rank)
+        return [HeadPush(push_name(transfer, head, group.index, len(self.groups)), group,
+                         head - held.start, self.placement.readers(head))
+                for group in self.groups for head in heads]
 
 
 def describe(vllm_config: Any, kv_cache_config: Any, block_format: str) -> EngineCache:

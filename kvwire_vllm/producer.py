@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,7 +51,6 @@ from .describe import CacheGroup
 from .params import ConnectorSettings
 from .scheduling import PushPlan
 from .seal import SEAL_BYTES, LayerSeal, layer_bytes, seal_layer, transfer_hash
-from .shards import push_name
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.producer")
@@ -65,10 +64,10 @@ class _Push:
     name: str  # the daemons' request id
     group: CacheGroup
     head: int  # on this rank's head axis
-    opening: concurrent.futures.Future[OutgoingPush]
     block_ids: torch.Tensor
     seal: LayerSeal
     started: float
+    opening: concurrent.futures.Future[OutgoingPush] = field(init=False)  # its open
     submitted: int = 0  # layers handed to the stager, in order
     deferred: bool = False  # a layer was done before the push was open
     failed: bool = False
@@ -97,22 +96,21 @@ class Producer:
         """Before the forward pass: ask the daemon for this step's pushes."""
         engine = self.cache.engine
         heads = engine.placement.pushes(self.rank)
-        held = engine.placement.held(self.rank)
         for plan in plans:
-            pushes = [(group, head) for group in engine.groups for head in heads]
+            pushes = engine.head_pushes(plan.order.transfer, heads, self.rank)
             with self._lock:
                 self._pushing.add(plan.req_id)
                 if pushes:
                     self._staging[plan.req_id] = len(pushes)
                 else:
                     self._released.add(plan.req_id)  # a replica: nothing of its own
-            for group, head in pushes:
-                name = push_name(plan.order.transfer, head, group.index, len(engine.groups))
+            for target in pushes:
+                group = target.group
                 blocks = plan.blocks[group.index]
                 seal = LayerSeal(0, len(group.layer_names), len(blocks),
-                                 self.cache.block_size, group.head_bytes, transfer_hash(name),
-                                 self.cache.fingerprint, 0)
-                push = _Push(plan, name, group, head - held.start, concurrent.futures.Future(),
+                                 self.cache.block_size, group.head_bytes,
+                                 transfer_hash(target.name), self.cache.fingerprint, 0)
+                push = _Push(plan, target.name, group, target.head,
                              torch.tensor(blocks, dtype=torch.int64), seal,
                              time.perf_counter())
                 push.opening = self.thread.submit(self._open(push))

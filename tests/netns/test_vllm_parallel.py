@@ -83,6 +83,15 @@ def pushed_at_tp2(hosts: Hosts, model: Path, prompts: list[list[int]]
     return result, [o["kv_transfer_params"] for o in result["outputs"]]
 
 
+def decoded_like_one_engine(hosts: Hosts, model: Path, prompts: list[list[int]], size: int,
+                            params: list[dict[str, Any]], reference: list[list[int]]) -> None:
+    """A TP ``size`` decode engine loads the pushes and answers with one engine's
+    tokens, every rank having loaded every prompt."""
+    loaded = decode(hosts, model, prompts, size, params)
+    assert [o["tokens"] for o in loaded["outputs"]] == reference
+    assert_loaded_everywhere(loaded, prompts, size)
+
+
 def assert_loaded_everywhere(result: dict[str, Any], prompts: list[list[int]],
                              size: int) -> None:
     """Every decode rank loaded every prompt, none failed."""
@@ -112,18 +121,14 @@ def test_tp2_prefill_to_tp2_decode_gives_one_engines_tokens(
         hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
         pushed_at_tp2: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
     _, params = pushed_at_tp2
-    loaded = decode(hosts, model, prompts, 2, params[: len(prompts)])
-    assert [o["tokens"] for o in loaded["outputs"]] == colocated
-    assert_loaded_everywhere(loaded, prompts, 2)
+    decoded_like_one_engine(hosts, model, prompts, 2, params[: len(prompts)], colocated)
 
 
 def test_tp2_prefill_to_tp1_decode_gathers_both_shards(
         hosts: Hosts, model: Path, prompts: list[list[int]], colocated: list[list[int]],
         pushed_at_tp2: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
     _, params = pushed_at_tp2
-    loaded = decode(hosts, model, prompts, 1, params[len(prompts):])
-    assert [o["tokens"] for o in loaded["outputs"]] == colocated
-    assert_loaded_everywhere(loaded, prompts, 1)
+    decoded_like_one_engine(hosts, model, prompts, 1, params[len(prompts):], colocated)
     wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
 
 
@@ -135,10 +140,8 @@ def test_tp1_prefill_to_tp2_decode_each_rank_takes_its_slice_of_one_shard(
     assert pushed["counters"]["pushes"] == HEADS * len(prompts)
     # The same bytes on the wire as from TP 2: each head once.
     assert pushed["counters"]["pushed_bytes"] == sum(map(pushed_bytes, prompts))
-    loaded = decode(hosts, model, prompts, 2,
-                    [o["kv_transfer_params"] for o in pushed["outputs"]])
-    assert [o["tokens"] for o in loaded["outputs"]] == colocated
-    assert_loaded_everywhere(loaded, prompts, 2)
+    decoded_like_one_engine(hosts, model, prompts, 2,
+                            [o["kv_transfer_params"] for o in pushed["outputs"]], colocated)
     wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
 
 

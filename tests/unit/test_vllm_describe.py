@@ -101,3 +101,16 @@ def test_a_cache_group_kvwire_cannot_carry_is_refused_naming_its_kind() -> None:
 def test_a_tp_that_neither_divides_nor_multiplies_the_heads_is_refused() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size 3 neither divides"):
         describe(*engine((LAYERS, spec(heads=1)), total_heads=2, tp=3), "cpu/AVX512")
+
+
+def test_a_pushing_rank_and_a_reading_rank_name_a_head_alike() -> None:
+    """TP 4 over 2 heads: rank 2 pushes head 1 (its first replica), rank 3 holds
+    it too and pushes nothing; a TP 4 decode engine's ranks 2 and 3 both read
+    that one push, at their own head 0."""
+    described = describe(*engine((LAYERS, spec(heads=1)), total_heads=2, tp=4), "cpu/AVX512")
+    placement = described.placement
+    [pushed] = described.head_pushes("t", placement.pushes(2), rank=2)
+    assert described.head_pushes("t", placement.pushes(3), rank=3) == []
+    read = [described.head_pushes("t", placement.held(r), rank=r) for r in (2, 3)]
+    assert read[0] == read[1] == [pushed]
+    assert (pushed.name, pushed.head, pushed.readers) == ("t.h1", 0, 2)
