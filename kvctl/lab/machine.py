@@ -18,6 +18,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -33,7 +34,6 @@ from kvwired.addresses import (
     DEFAULT_CONTROL_PORT,
     RECEIVER_METRICS_PORT,
     SENDER_METRICS_PORT,
-    free_port,
 )
 from kvwired.errors import KvwireError
 
@@ -186,15 +186,47 @@ def why_lab_cannot_run() -> str | None:
 # --------------------------------------------------------------- the lab
 
 
-def _free_udp_ports(count: int) -> list[int]:
-    """``count`` distinct free UDP ports on loopback (all held until all are found)."""
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Where the lab's host ports are drawn from when the kernel does not say.
+LAB_PORTS_FALLBACK = (20000, 32767)
+# QEMU failed to bind a port that was free a moment before: draw again.
+PORT_TAKEN = "Could not set up host forwarding rule"
+BOOT_ATTEMPTS = 3
+
+
+def _lab_port_range() -> tuple[int, int]:
+    """Ports below the kernel's ephemeral range.
+
+    A port is free when probed and QEMU binds it a moment later. Inside the
+    ephemeral range any outgoing connection (a test polling a daemon, a DNS
+    lookup) can take it in between: CI saw QEMU fail to forward a port that
+    way. Below the range only an explicit bind can.
+    """
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return LAB_PORTS_FALLBACK
+    return (max(1024, low - 12768), low - 1) if low > 2048 else LAB_PORTS_FALLBACK
+
+
+def _free_ports(count: int, kind: socket.SocketKind) -> list[int]:
+    """``count`` distinct loopback ports of ``kind`` (TCP or UDP) free right now,
+    drawn from below the ephemeral range (all held until all are found)."""
+    low, high = _lab_port_range()
+    candidates = random.sample(range(low, high + 1), min(high - low + 1, count * 64))
     with contextlib.ExitStack() as held:
-        ports = []
-        for _ in range(count):
-            probe = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-            probe.bind(("127.0.0.1", 0))
-            ports.append(int(probe.getsockname()[1]))
-        return ports
+        ports: list[int] = []
+        for port in candidates:
+            probe = held.enter_context(socket.socket(socket.AF_INET, kind))
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise LabError(f"found only {len(ports)} of {count} free loopback ports in "
+                   f"{low}-{high}", hint="stop what holds them, or free the range")
 
 
 def _qemu_command(node: NodeSpec, kernel: str, ports: dict[str, int], python: str,
@@ -276,24 +308,38 @@ def up(out: Any = sys.stdout, rails: int = 1) -> LabState:
         raise LabError(f"cannot start the lab: {reason}")
     kernel = find_kernel()
     assert kernel is not None
-    checkout = _checkout()
+    for attempt in range(1, BOOT_ATTEMPTS + 1):
+        try:
+            return _boot(kernel, rails)
+        except LabError as error:
+            # Only a port taken between probe and bind is worth another draw.
+            if PORT_TAKEN not in str(error) or attempt == BOOT_ATTEMPTS:
+                raise
+            print(f"kvctl lab: a forwarded port was taken while QEMU started "
+                  f"(attempt {attempt} of {BOOT_ATTEMPTS}); drawing new ones", file=out)
+    raise AssertionError("unreachable")
+
+
+def _boot(kernel: str, rails: int) -> LabState:
+    """One attempt at booting both nodes; on any failure the lab is taken down."""
     SHARED_DIR.mkdir(parents=True, exist_ok=True)
     initramfs.build(kernel, BUSYBOX, STATE_DIR / "initramfs.cpio")
     state = LabState(kernel=kernel, started=time.time(), rails=rails)
     started = time.monotonic()
     # Per rail, one UDP port per node: each node sends to the other's.
-    free = iter(_free_udp_ports(rails * len(NODES)))
+    free = iter(_free_ports(rails * len(NODES), socket.SOCK_DGRAM))
     wire = [[next(free) for _ in NODES] for _ in range(rails)]
+    forwarded = iter(_free_ports(len(FORWARDED) * len(NODES), socket.SOCK_STREAM))
     with _wire_socket_buffers():
         try:
             for position, node in enumerate(NODES):
-                ports = {name: free_port() for name in FORWARDED}
+                ports = {name: next(forwarded) for name in FORWARDED}
                 console = STATE_DIR / f"{node.name}.console"
                 console.unlink(missing_ok=True)
                 with open(STATE_DIR / f"{node.name}.qemu.log", "wb") as log:
                     # Its own session: the node outlives this command until `down`.
                     process = subprocess.Popen(
-                        _qemu_command(node, kernel, ports, _venv_python(), checkout,
+                        _qemu_command(node, kernel, ports, _venv_python(), _checkout(),
                                       [(pair[position], pair[1 - position]) for pair in wire]),
                         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                         start_new_session=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -44,9 +45,54 @@ def test_each_rail_is_a_nic_of_its_own_with_its_own_wire(rails: int) -> None:
     assert machine.MGMT_NET not in machine.RAIL_SUBNETS
 
 
-def test_free_wire_ports_are_distinct() -> None:
-    ports = machine._free_udp_ports(8)
+@pytest.mark.parametrize("kind", [socket.SOCK_DGRAM, socket.SOCK_STREAM])
+def test_the_labs_host_ports_are_distinct_free_and_below_the_ephemeral_range(
+        kind: socket.SocketKind) -> None:
+    """Below the range no outgoing connection can take a port between the probe
+    and QEMU's bind (CI saw one taken there)."""
+    ports = machine._free_ports(8, kind)
     assert len(set(ports)) == 8
+    low, high = machine._lab_port_range()
+    ephemeral_low = int(machine.EPHEMERAL_RANGE.read_text().split()[0])
+    assert high < ephemeral_low and all(low <= port <= high for port in ports)
+    for port in ports:
+        with socket.socket(socket.AF_INET, kind) as again:
+            again.bind(("127.0.0.1", port))
+
+
+def test_a_port_taken_while_qemu_starts_is_drawn_again_and_other_failures_are_not(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(machine, "why_lab_cannot_run", lambda: None)
+    monkeypatch.setattr(machine, "find_kernel", lambda: "6.1.0-test")
+    monkeypatch.setattr(machine.LabState, "load", classmethod(lambda cls: None))
+    failures = [machine.LabError(f"node prefill stopped while booting:\n"
+                                 f"{machine.PORT_TAKEN} 'tcp:127.0.0.1:28087-:7400'")]
+    booted = machine.LabState(kernel="6.1.0-test", started=0.0, rails=1)
+
+    def boot(kernel: str, rails: int) -> machine.LabState:
+        if failures:
+            raise failures.pop()
+        return booted
+
+    monkeypatch.setattr(machine, "_boot", boot)
+    assert machine.up(out=sys.stdout) is booted
+    assert "attempt 1 of 3" in capsys.readouterr().out
+
+    failures[:] = [machine.LabError("node decode not ready within 240 s")]
+    with pytest.raises(machine.LabError, match="not ready"):
+        machine.up(out=sys.stdout)
+    assert not failures
+
+    attempts = []
+
+    def always_taken(kernel: str, rails: int) -> machine.LabState:
+        attempts.append(1)
+        raise machine.LabError(machine.PORT_TAKEN)
+
+    monkeypatch.setattr(machine, "_boot", always_taken)
+    with pytest.raises(machine.LabError):
+        machine.up(out=sys.stdout)
+    assert len(attempts) == machine.BOOT_ATTEMPTS
 
 
 @pytest.mark.parametrize("rails", ["0", str(machine.MAX_RAILS + 1)])
