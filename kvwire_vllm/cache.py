@@ -7,7 +7,9 @@ Inside one head of one block the layout belongs to the attention kernel (on
 AVX-512, K transposed, then V), so kvwire never interprets it: a (layer,
 block, head) is moved as its bytes, and both engines must agree on
 everything that shapes them (kvwire_vllm.shards.EngineLayout), which the
-layout fingerprint in every seal checks again.
+layout fingerprint in every seal checks again. The one difference bridged,
+block size, is regrouped with the kernel's own map of a block
+(kvwire_vllm.blockmap), never by assuming its format.
 
 Heads lie on the second axis, so one head of a block is one contiguous run:
 a push of one head gathers that run from each of the request's blocks.
@@ -22,6 +24,7 @@ import torch
 
 from kvwired.errors import ConfigError
 
+from .blockmap import TokenMap, kernel_token_map
 from .describe import CacheGroup, EngineCache
 from .seal import layout_fingerprint
 
@@ -55,6 +58,14 @@ class KVCacheBlocks:
                 self.where[name] = (group, position)
                 self.tensors[name] = self._heads_view(name, kv_caches[name], group)
         self.num_blocks = min(t.shape[0] for t in self.tensors.values())
+        first = next(iter(kv_caches.values()))
+        self.dtype = first.dtype
+        self.itemsize = first.element_size()
+
+    def token_map(self, block_size: int) -> TokenMap:
+        """Where each token of a head lies in a block of ``block_size`` tokens, as
+        this engine's attention kernel writes it."""
+        return kernel_token_map(self.dtype, block_size, self.layout.head_size)
 
     @staticmethod
     def _heads_view(name: str, tensor: torch.Tensor, group: CacheGroup) -> torch.Tensor:
@@ -83,7 +94,7 @@ class KVCacheBlocks:
             target.copy_(cache[:, head].index_select(0, block_ids.to(cache.device)))
 
     def write_head(self, layer: str, head: int, block_ids: Sequence[int],
-                   data: memoryview) -> None:
+                   data: memoryview | np.ndarray) -> None:
         """Copy ``data`` (one head's runs, back to back) into local head ``head`` of
         blocks ``block_ids`` of ``layer``."""
         cache = self.tensors[layer]

@@ -31,21 +31,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Iterable
 
+import numpy as np
+
 from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
+from .blockmap import regroup, regroup_index
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
 from .describe import HeadPush
 from .params import ConnectorSettings
-from .scheduling import NULL_BLOCK, LoadPlan
-from .seal import SEAL_BYTES, LayerSeal, SealBroken, check_layer, layer_bytes, transfer_hash
-from .shards import LayoutMismatch
+from .scheduling import NULL_BLOCK, LoadPlan, blocks_of, pushed_from
+from .seal import (
+    SEAL_BYTES,
+    LayerSeal,
+    SealBroken,
+    check_layer,
+    layer_bytes,
+    layout_fingerprint,
+    transfer_hash,
+)
+from .shards import EngineLayout, LayoutMismatch
 from .stats import ConnectorCounters
 
 log = logging.getLogger("vllm.kvwire.consumer")
@@ -156,38 +168,65 @@ class Consumer:
 
     def _copy(self, plan: LoadPlan, push: HeadPush, view: memoryview,
               layers: Iterable[int], copied: set[int]) -> None:
-        """Layers' seals checked, then their blocks copied into vLLM's: on the
-        loop's thread, so a cancelled load cannot leave a copy running behind
-        it."""
+        """Layers' seals checked, then their blocks copied into vLLM's (regrouped
+        when the prefill engine's block size differs): on the loop's thread, so
+        a cancelled load cannot leave a copy running behind it."""
         group, span = push.group, plan.groups[push.group.index]
-        pushed = plan.total - span.pushed_from
-        size = layer_bytes(pushed, group.head_bytes)
         count = len(group.layer_names)
-        expected = LayerSeal(0, count, pushed, self.cache.block_size, group.head_bytes,
-                             transfer_hash(push.name), self.cache.fingerprint, 0)
+        source = self._pushed_layout(plan, view, count)
+        own_size = self.cache.block_size
+        bridged = source.block_size != own_size
+        head_bytes = group.head_bytes // own_size * source.block_size
+        source_from = (pushed_from(plan.tokens, source.block_size, group.window) if bridged
+                       else span.pushed_from)
+        pushed = blocks_of(plan.tokens, source.block_size) - source_from
+        size = layer_bytes(pushed, head_bytes)
+        expected = LayerSeal(0, count, pushed, source.block_size, head_bytes,
+                             transfer_hash(push.name), layout_fingerprint(source.key()), 0)
         if len(view) != size * count:
             self._check_prefill_layout(plan, view, count, expected)
             raise SealBroken(f"the push {push.name} is {len(view)} B; {count} layers of "
                              f"{size} B were expected (do both engines run the same model, "
                              "dtype and block size?)")
-        # The blocks this engine fills, and where each lies in the push.
+        # The blocks this engine fills, and where each lies in what is copied.
         positions = [(n, b) for n, b in enumerate(span.block_ids) if b != NULL_BLOCK]
-        skip = span.load_from - span.pushed_from
+        whole = len(positions) == len(span.block_ids)
+        skip = 0 if bridged else span.load_from - span.pushed_from
         for n in layers:
             if n in copied:
                 continue
-            layer = view[n * size : (n + 1) * size]
-            kv = check_layer(layer, dataclasses.replace(expected, layer=n))
-            if len(positions) == len(span.block_ids):
+            checked = check_layer(view[n * size : (n + 1) * size],
+                                  dataclasses.replace(expected, layer=n))
+            name = group.layer_names[n]
+            kv: memoryview | np.ndarray = checked
+            if bridged:  # this engine's blocks load_from .., regrouped from the push's
+                index = _bridge_index(self.cache.token_map(source.block_size),
+                                      self.cache.token_map(own_size), source_from, pushed,
+                                      span.load_from, len(span.block_ids))
+                kv = regroup(checked, self.cache.itemsize, index).reshape(-1)
+            if whole:
                 start = skip * group.head_bytes
-                self.cache.write_head(group.layer_names[n], push.head, span.block_ids,
+                self.cache.write_head(name, push.head, span.block_ids,
                                       kv[start : start + len(positions) * group.head_bytes])
             else:
                 for at, block in positions:
                     start = (skip + at) * group.head_bytes
-                    self.cache.write_head(group.layer_names[n], push.head, [block],
+                    self.cache.write_head(name, push.head, [block],
                                           kv[start : start + group.head_bytes])
             copied.add(n)
+
+    def _pushed_layout(self, plan: LoadPlan, view: memoryview, layers: int) -> EngineLayout:
+        """The layout the push was made in: this engine's, or this engine's at the
+        prefill engine's block size where the copy bridges the two (announced in
+        its answer, or, asked before it answered, read off the first seal)."""
+        own = self.cache.layout
+        prefill = plan.order.layout
+        if prefill is None:
+            seal = _first_seal(view, layers)
+            if seal is None or seal.block_size == own.block_size:
+                return own
+            prefill = own.with_block_size(seal.block_size)
+        return own.with_block_size(prefill.block_size) if own.bridges(prefill) else own
 
     @staticmethod
     def _check_prefill_layout(plan: LoadPlan, view: memoryview, layers: int,
@@ -195,18 +234,15 @@ class Consumer:
         """A push of another size than this engine expects: when the decode
         engine was asked before the prefill engine announced its layout (the
         proxy's parallel flow), the first layer's seal says what differs."""
-        if layers and len(view) % layers == 0 and len(view) // layers >= SEAL_BYTES:
-            size = len(view) // layers
-            with contextlib.suppress(SealBroken):
-                seal = LayerSeal.unpack(view[size - SEAL_BYTES : size])
-                differences = [f"{name}: prefill {getattr(seal, name)}, decode "
-                               f"{getattr(expected, name)}"
-                               for name in ("layers", "block_size", "block_bytes", "blocks")
-                               if getattr(seal, name) != getattr(expected, name)]
-                if differences:
-                    raise LayoutMismatch(
-                        f"request {plan.req_id}: the prefill engine's KV layout differs "
-                        "from this engine's: " + "; ".join(differences))
+        seal = _first_seal(view, layers)
+        if seal is None:
+            return
+        differences = [f"{name}: prefill {getattr(seal, name)}, decode {getattr(expected, name)}"
+                       for name in ("layers", "block_size", "block_bytes", "blocks")
+                       if getattr(seal, name) != getattr(expected, name)]
+        if differences:
+            raise LayoutMismatch(f"request {plan.req_id}: the prefill engine's KV layout "
+                                 "differs from this engine's: " + "; ".join(differences))
 
     def _bytes(self, plan: LoadPlan) -> int:
         """KV bytes a load wrote into this rank's cache."""
@@ -259,6 +295,21 @@ class Consumer:
         if self.thread.loop.is_running():
             self.thread.run(disconnect())
             self.thread.stop()
+
+
+def _first_seal(view: memoryview, layers: int) -> LayerSeal | None:
+    """The seal ending the first of ``layers`` equal layers in ``view``, if there is one."""
+    if not layers or len(view) % layers or len(view) // layers < SEAL_BYTES:
+        return None
+    size = len(view) // layers
+    try:
+        return LayerSeal.unpack(view[size - SEAL_BYTES : size])
+    except SealBroken:
+        return None
+
+
+# One gather per (block sizes, span of the prompt): the same for every layer and head.
+_bridge_index = functools.lru_cache(maxsize=64)(regroup_index)
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from kvwired.errors import ConfigError, KvwireError, UsageError
@@ -103,6 +103,8 @@ class HeadPlacement:
 # size and rank are carried too, but differ freely: heads are regrouped.
 _AGREED = ("attention", "dtype", "layers", "kv_heads", "head_size", "block_size",
            "head_bytes", "groups", "block_format")
+# Fields that differ when only the block size does, which the copy bridges.
+_BRIDGED = ("block_size", "head_bytes")
 
 
 @dataclass(frozen=True)
@@ -141,9 +143,29 @@ class EngineLayout:
 
     def differences(self, prefill: EngineLayout) -> list[str]:
         """What keeps this (decode) engine from taking ``prefill``'s pushes, one
-        phrase each: "block_size: prefill 128, decode 16"."""
+        phrase each: "block_size: prefill 128, decode 16". A block size the
+        copy bridges (``bridges``) is not one."""
+        differing = [name for name in _AGREED if getattr(prefill, name) != getattr(self, name)]
+        if self.bridges(prefill):
+            differing = [name for name in differing if name not in _BRIDGED]
         return [f"{name}: prefill {getattr(prefill, name)}, decode {getattr(self, name)}"
-                for name in _AGREED if getattr(prefill, name) != getattr(self, name)]
+                for name in differing]
+
+    def bridges(self, prefill: EngineLayout) -> bool:
+        """Whether this engine's copy regroups ``prefill``'s blocks into its own:
+        the same layout at a block size that divides this one's or that this
+        one's divides (kvwire_vllm.blockmap), for K and V heads (an MLA cache's
+        block size is fixed by vLLM on both sides)."""
+        small, large = sorted((prefill.block_size, self.block_size))
+        # The CPU backend's kernel is the one whose format kvwire can ask.
+        return (self.attention == "mha" and self.block_format.startswith("cpu/")
+                and large % small == 0
+                and prefill.with_block_size(self.block_size).key() == self.key())
+
+    def with_block_size(self, block_size: int) -> EngineLayout:
+        """This layout at another block size: a head's block grows with its tokens."""
+        return replace(self, block_size=block_size,
+                       head_bytes=self.head_bytes // self.block_size * block_size)
 
     def to_params(self) -> dict[str, Any]:
         return asdict(self)

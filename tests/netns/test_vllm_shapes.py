@@ -7,9 +7,11 @@
   vLLM's hybrid KV-cache manager stays on, and the sliding group moves only
   the blocks inside the window; a second prompt that extends the first hits
   the decode engine's prefix cache.
-- Engines whose layouts differ (block size): the decode engine refuses the
-  load when it plans it, naming both values; the answer is recomputed, or
-  the request fails, as kv_load_failure_policy says.
+- Block sizes that divide each other: the decode engine's copy regroups the
+  prefill engine's blocks into its own.
+- Engines whose layouts differ otherwise (dtype): the decode engine refuses
+  the load when it plans it, naming both values; the answer is recomputed,
+  or the request fails, as kv_load_failure_policy says.
 """
 
 from __future__ import annotations
@@ -220,13 +222,61 @@ def test_a_hybrid_engine_moves_the_sliding_window_only_and_hits_its_prefix_cache
     wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
 
 
-# ----------------------------------------------------------- layout mismatch
+# ------------------------------------------- block sizes bridged, and a mismatch
+
+
+def decode_engine(hosts: Hosts, model: Path, prompts: list[list[int]],
+                  answers: list[dict[str, Any]], engine: dict[str, Any], policy: str,
+                  name: str) -> tuple[dict[str, Any], str]:
+    """The decode engine's result and its log (vLLM logs to stdout)."""
+    process = OfflineProcess({
+        "model": str(model), "role": "decode", "prompts": prompts, "max_tokens": MAX_TOKENS,
+        "params": answers, "connector": hosts.connector("decode"), "failure_policy": policy,
+        "engine": engine}, hosts.workdir / name)
+    try:
+        decoded = process.result()
+    finally:
+        process.kill()
+    return decoded, process.out.read_text(errors="replace") + process.err.read_text(
+        errors="replace")
+
+
+def unannounced(transfers: list[str]) -> list[dict[str, Any]]:
+    """What the proxy's parallel flow asks the decode engine: no layout yet."""
+    return [{"do_remote_prefill": True, "kvwire_transfer": t, "kvwire_deadline": 20}
+            for t in transfers]
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block", "flow"),
+                         [(128, 32, "sequential"), (32, 128, "parallel")])
+def test_block_sizes_that_divide_each_other_are_regrouped_by_the_copy(
+        hosts: Hosts, model: Path, prefill_block: int, decode_block: int, flow: str) -> None:
+    """The prefill engine's blocks regrouped into the decode engine's, inside the
+    kernel's own block format: one engine's tokens, every prompt loaded over
+    kvwire (announced in the answer, or read off the first seal when the decode
+    engine was asked first)."""
+    prompts = make_prompts([300, 700, 1300], seed=53)
+    transfers, params = orders(len(prompts))
+    pushed = run(hosts, model, "prefill", prompts, params, {"block_size": prefill_block})
+    assert pushed["counters"]["pushes"] == 2 * len(prompts)
+    answers = ([o["kv_transfer_params"] for o in pushed["outputs"]] if flow == "sequential"
+               else unannounced(transfers))
+    decoded, log = decode_engine(hosts, model, prompts, answers,
+                                 {"block_size": decode_block}, "fail",
+                                 f"bridge-{prefill_block}-{decode_block}")
+    counters = decoded["counters"]
+    assert counters["failures"] == {}, log[-3000:]
+    assert counters["loads"] == len(prompts)
+    assert counters["loaded_tokens"] == sum(len(p) for p in prompts), counters
+    assert [o["tokens"] for o in decoded["outputs"]] == \
+        plain_engine_tokens(model, prompts, {"block_size": decode_block})
+    wait_until(lambda: hosts.pool_used() == 0, 30, "the receive pool to be free")
 
 
 @pytest.mark.parametrize(("policy", "flow"), [("recompute", "sequential"),
                                               ("fail", "sequential"),
                                               ("recompute", "parallel")])
-def test_a_block_size_mismatch_is_refused_naming_both_sides(
+def test_a_dtype_mismatch_is_refused_naming_both_sides(
         hosts: Hosts, model: Path, policy: str, flow: str) -> None:
     """Sequential (the decode engine gets the prefill engine's answer): refused
     when the load is planned. Parallel (the proxy's default: asked at the same
@@ -234,31 +284,22 @@ def test_a_block_size_mismatch_is_refused_naming_both_sides(
     seal, before a byte reaches the cache."""
     prompts = make_prompts([300, 700], seed=51)
     transfers, params = orders(len(prompts))
-    pushed = run(hosts, model, "prefill", prompts, params, {})  # 128-token blocks
+    pushed = run(hosts, model, "prefill", prompts, params, {})  # float32
     assert pushed["counters"]["pushes"] == 2 * len(prompts)
-    answers = [o["kv_transfer_params"] for o in pushed["outputs"]]
-    if flow == "parallel":  # what the proxy asks the decode engine, unannounced
-        answers = [{"do_remote_prefill": True, "kvwire_transfer": t, "kvwire_deadline": 20}
-                   for t in transfers]
-    engine = OfflineProcess({
-        "model": str(model), "role": "decode", "prompts": prompts, "max_tokens": MAX_TOKENS,
-        "params": answers,
-        "connector": hosts.connector("decode"), "failure_policy": policy,
-        "engine": {"block_size": 32}}, hosts.workdir / f"mismatch-{policy}-{flow}")
-    try:
-        decoded = engine.result()
-    finally:
-        engine.kill()
-    log = engine.out.read_text(errors="replace") + engine.err.read_text(errors="replace")
-    assert "block_size: prefill 128, decode 32" in log  # vLLM logs to stdout
-    if flow == "parallel":
-        assert "block_bytes: prefill 32768, decode 8192" in log
+    answers = ([o["kv_transfer_params"] for o in pushed["outputs"]] if flow == "sequential"
+               else unannounced(transfers))
+    decoded, log = decode_engine(hosts, model, prompts, answers, {"dtype": "bfloat16"},
+                                 policy, f"mismatch-{policy}-{flow}")
+    if flow == "parallel":  # a seal does not name the dtype: the bytes it makes
+        assert "block_bytes: prefill 32768, decode 16384" in log
+    else:
+        assert "dtype: prefill float32, decode bfloat16" in log
     counters = decoded["counters"]
-    # Refused by the plan, never by a seal.
+    # Refused by the plan (or the first seal's size), never by a broken seal.
     assert counters["failures"] == {"load:layout_mismatch": len(prompts)}, counters
     if policy == "recompute":
         assert [o["tokens"] for o in decoded["outputs"]] == \
-            plain_engine_tokens(model, prompts, {"block_size": 32})
+            plain_engine_tokens(model, prompts, {"dtype": "bfloat16"})
     else:
         assert all(o["finish_reason"] == "error" and o["tokens"] == []
                    for o in decoded["outputs"])

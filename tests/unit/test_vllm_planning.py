@@ -309,27 +309,45 @@ def test_a_sliding_group_pushes_only_live_blocks_and_all_that_decode_reads(
     assert load.groups[1].block_ids == decode_full
 
 
+def _planned_load(prefill: Any, decode: Any) -> Any:
+    """The decode engine's plan for a 200-token prompt the prefill engine pushed."""
+    producer = ProducerPlanner(ConnectorSettings(), block_size=prefill.block_size,
+                               layout=prefill)
+    producer.on_new_request(FakeRequest("r", list(range(200)), push_params()))
+    producer.plan([("r", ([1, 2],), 0)], [], {"r": 200})
+    answer = producer.finished("r")
+    assert answer is not None and answer["kvwire_layout"]["block_size"] == prefill.block_size
+    consumer = ConsumerPlanner(block_size=decode.block_size, layout=decode)
+    request = FakeRequest("d", list(range(200)), answer)
+    tokens, _ = consumer.matched_tokens(request, 0)
+    consumer.allocated(request, (list(range(10, 17)),), tokens)
+    [load] = consumer.plan().loads
+    return load
+
+
 def test_a_decode_engine_whose_layout_differs_refuses_at_plan_time_naming_both() -> None:
+    from kvwire_vllm.shards import EngineLayout
+
+    mine = EngineLayout(attention="mha", dtype="bfloat16", layers=2, kv_heads=2,
+                        head_size=32, block_size=32, head_bytes=4096,
+                        block_format="cpu/AVX512", groups="full:2")
+    theirs = replace(mine, dtype="float32", head_bytes=8192, tp=2)
+    load = _planned_load(theirs, mine)
+    assert load.refusal is not None
+    assert "dtype: prefill float32, decode bfloat16" in load.refusal
+    assert "head_bytes: prefill 8192, decode 4096" in load.refusal
+    assert "tp" not in load.refusal  # TP sizes differ freely
+
+
+def test_a_block_size_the_copy_bridges_is_planned_not_refused() -> None:
     from kvwire_vllm.shards import EngineLayout
 
     mine = EngineLayout(attention="mha", dtype="float32", layers=2, kv_heads=2,
                         head_size=32, block_size=32, head_bytes=8192,
                         block_format="cpu/AVX512", groups="full:2")
-    theirs = replace(mine, block_size=128, head_bytes=32768, tp=2)
-    producer = ProducerPlanner(ConnectorSettings(), block_size=128, layout=theirs)
-    producer.on_new_request(FakeRequest("r", list(range(200)), push_params()))
-    producer.plan([("r", ([1, 2],), 0)], [], {"r": 200})
-    answer = producer.finished("r")
-    assert answer is not None and answer["kvwire_layout"]["block_size"] == 128
-    consumer = ConsumerPlanner(block_size=32, layout=mine)
-    request = FakeRequest("d", list(range(200)), answer)
-    tokens, _ = consumer.matched_tokens(request, 0)
-    consumer.allocated(request, (list(range(10, 17)),), tokens)
-    [load] = consumer.plan().loads
-    assert load.refusal is not None
-    assert "block_size: prefill 128, decode 32" in load.refusal
-    assert "head_bytes: prefill 32768, decode 8192" in load.refusal
-    assert "tp" not in load.refusal  # TP sizes differ freely
+    load = _planned_load(mine.with_block_size(128), mine)
+    assert load.refusal is None and load.total == 7  # this engine's blocks
+    assert load.order.layout is not None and load.order.layout.block_size == 128
 
 
 # ------------------------------------------------------------------ seal

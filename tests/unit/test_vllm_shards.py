@@ -74,11 +74,29 @@ def test_layouts_that_differ_only_in_tp_agree() -> None:
     assert LAYOUT.differences(other) == [] and LAYOUT.key() == other.key()
 
 
-def test_a_layout_difference_names_both_sides_values() -> None:
-    prefill = EngineLayout(**{**LAYOUT.to_params(), "block_size": 128, "head_bytes": 32768})
-    decode = EngineLayout(**{**LAYOUT.to_params(), "block_size": 32, "head_bytes": 8192})
-    assert decode.differences(prefill) == ["block_size: prefill 128, decode 32",
-                                           "head_bytes: prefill 32768, decode 8192"]
+def _at(block_size: int, **changes: object) -> EngineLayout:
+    return EngineLayout(**{**LAYOUT.to_params(), **changes}).with_block_size(block_size)
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(128, 32), (32, 128), (64, 128), (128, 128)])
+def test_block_sizes_that_divide_each_other_are_bridged_not_refused(prefill: int,
+                                                                    decode: int) -> None:
+    assert _at(decode).bridges(_at(prefill)) and _at(decode).differences(_at(prefill)) == []
+    assert _at(decode).head_bytes == 32768 // 128 * decode
+
+
+def test_a_block_size_the_copy_cannot_bridge_names_both_sides_values() -> None:
+    assert _at(96).differences(_at(128)) == ["block_size: prefill 128, decode 96",
+                                             "head_bytes: prefill 32768, decode 24576"]
+    # An MLA cache is not regrouped (vLLM fixes its block size on both sides).
+    mla = {"attention": "mla", "kv_heads": 1}
+    assert _at(32, **mla).differences(_at(128, **mla))[0] == "block_size: prefill 128, decode 32"
+
+
+def test_a_block_size_and_another_difference_name_both() -> None:
+    assert _at(32, dtype="bfloat16").differences(_at(128)) == [
+        "dtype: prefill float32, decode bfloat16", "block_size: prefill 128, decode 32",
+        "head_bytes: prefill 32768, decode 8192"]
 
 
 def test_a_layout_survives_the_params_round_trip() -> None:
