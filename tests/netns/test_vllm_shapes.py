@@ -108,12 +108,16 @@ def test_an_mla_cache_crosses_the_wire_once_and_any_tp_loads_it(
     from the prefill engine, and every decode rank loading that one push with
     every layer's seal intact.
 
-    Greedy tokens are not compared here: vLLM 0.32's CPU MLA is not
-    consistent with itself (a prompt and the same prompt extended by its own
-    first output token continue differently; a request's tokens change with
-    the requests that share its batch), and a decode engine fed these exact
-    bytes by kvwire still answers a 305-token prompt otherwise than one fed by
-    the ExampleConnector (README, "What the CPU test proves")."""
+    Greedy tokens are not compared with a plain engine's: vLLM 0.32's CPU MLA
+    gives another first token when a prompt's last token is computed alone
+    over a cached context (its MLA decode kernel, which is what a decode
+    engine does with a loaded cache, kvwire's or NIXL's) than when the whole
+    prompt is one prefill (its SDPA path). Measured on this model (8 prompts
+    of 129 to 305 tokens): a plain engine fed its own first output token
+    continues otherwise at 5 of 8 lengths, and vLLM's ExampleConnector gives
+    the plain engine's tokens only where it recomputes more than one token
+    (a 255-token prompt: 240 loaded, 15 recomputed) (README, "What the CPU
+    test proves")."""
     prompts = make_prompts([193, 305, 609], seed=31)
     at_tp1, params_tp1 = orders(2 * len(prompts))
     at_tp2, params_tp2 = orders(len(prompts))
