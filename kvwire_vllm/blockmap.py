@@ -18,12 +18,11 @@ format (the CPU's instruction set) for a bridge to be offered at all.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-# Element types of the gather, by element size: the bytes are moved, never read.
-_ELEMENTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # Tags are small integers written in the model's dtype: exact in bfloat16 up to 256.
 _MAX_TAG = 256
 
@@ -73,16 +72,47 @@ def regroup_index(source: TokenMap, dest: TokenMap, source_first: int, source_bl
     return index
 
 
-def regroup(kv: memoryview | bytes, itemsize: int, index: np.ndarray) -> np.ndarray:
-    """The pushed blocks ``kv`` gathered by ``index`` (``regroup_index``) into this
-    engine's blocks, as bytes ``[dest_blocks, block bytes]``; zeros where
-    the index says the push has no token."""
-    elements = np.frombuffer(kv, dtype=_ELEMENTS[itemsize])
+@dataclass(frozen=True)
+class Gather:
+    """``regroup_index`` in runs: ``run`` elements that lie back to back in both
+    the push and this engine's blocks move as one (on the CPU kernel's format,
+    a K dimension's tokens and a V token's dimensions), so the gather costs a
+    run's index, not every element's."""
+
+    runs: np.ndarray  # per destination run, the source run; -1: no token there
+    run: int  # elements per run
+    dest_blocks: int
+
+
+def plan_gather(index: np.ndarray) -> Gather:
+    """The longest runs (a power of two) that ``index`` moves whole: each starts
+    at a multiple of the run in the push, is contiguous there, and is present
+    or absent as a whole."""
     flat = index.ravel()
-    present = flat >= 0
-    out = np.zeros(flat.size, dtype=elements.dtype)
-    out[present] = elements[flat[present]]
-    return out.view(np.uint8).reshape(index.shape[0], -1)
+    run = 1
+    while flat.size % (run * 2) == 0 and run < 1 << 12:
+        rows = flat.reshape(-1, run * 2)
+        starts = rows[:, 0]
+        whole = ((rows == -1).all(axis=1)
+                 | ((starts % (run * 2) == 0)
+                    & (rows == starts[:, None] + np.arange(run * 2)[None, :]).all(axis=1)))
+        if not whole.all():
+            break
+        run *= 2
+    starts = flat.reshape(-1, run)[:, 0]
+    return Gather(np.where(starts < 0, -1, starts // run), run, index.shape[0])
+
+
+def regroup(kv: memoryview | bytes, itemsize: int, gather: Gather) -> np.ndarray:
+    """The pushed blocks ``kv`` gathered into this engine's blocks, as bytes
+    ``[dest_blocks, block bytes]``; zeros where the push has no token."""
+    unit = np.dtype((np.void, gather.run * itemsize))
+    runs = np.frombuffer(kv, dtype=np.uint8)
+    runs = runs[: runs.size - runs.size % unit.itemsize].view(unit)
+    present = gather.runs >= 0
+    out = np.zeros(gather.runs.size, dtype=unit)
+    out[present] = runs[gather.runs[present]]
+    return out.view(np.uint8).reshape(gather.dest_blocks, -1)
 
 
 @functools.lru_cache(maxsize=16)

@@ -42,7 +42,7 @@ import numpy as np
 from kvwired.client import LayerLanded, LoopThread, ReceiverClient
 from kvwired.errors import KvwireError
 
-from .blockmap import regroup, regroup_index
+from .blockmap import Gather, TokenMap, plan_gather, regroup, regroup_index
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
 from .describe import HeadPush
@@ -308,8 +308,13 @@ def _first_seal(view: memoryview, layers: int) -> LayerSeal | None:
         return None
 
 
-# One gather per (block sizes, span of the prompt): the same for every layer and head.
-_bridge_index = functools.lru_cache(maxsize=64)(regroup_index)
+@functools.lru_cache(maxsize=64)
+def _bridge_index(source: TokenMap, dest: TokenMap, source_first: int, source_blocks: int,
+                  dest_first: int, dest_blocks: int) -> Gather:
+    """One gather per (block sizes, span of the prompt): the same for every
+    layer and head of a load."""
+    return plan_gather(regroup_index(source, dest, source_first, source_blocks, dest_first,
+                                     dest_blocks))
 
 
 def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:

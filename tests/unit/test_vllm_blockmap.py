@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire_vllm.blockmap import TokenMap, regroup, regroup_index
+from kvwire_vllm.blockmap import TokenMap, plan_gather, regroup, regroup_index
 
 HEAD = 4
 
@@ -67,7 +67,7 @@ def test_regrouped_blocks_hold_the_same_tokens_as_written_at_that_block_size(
     dest_first = source_first * source_size // dest_size
     index = regroup_index(source, dest, source_first, source_blocks - source_first,
                           dest_first, dest_blocks - dest_first)
-    got = regroup(pushed.tobytes(), 2, index).view(np.uint16)
+    got = regroup(pushed.tobytes(), 2, plan_gather(index)).view(np.uint16)
     carried = values.copy()
     carried[:, : source_first * source_size, :] = 0  # before the window: not pushed
     assert np.array_equal(got, write(dest, carried, dest_first, dest_blocks - dest_first))
@@ -83,3 +83,18 @@ def test_a_map_that_misses_an_element_is_refused() -> None:
 def test_maps_of_different_head_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="head sizes differ"):
         regroup_index(TokenMap.token_major(32, 4), TokenMap.token_major(32, 8), 0, 1, 0, 1)
+
+
+@pytest.mark.parametrize(("source", "dest", "run"), [(128, 32, 32), (32, 128, 32), (64, 128, 64)])
+def test_the_kernels_format_moves_in_runs_of_the_smaller_block(source: int, dest: int,
+                                                               run: int) -> None:
+    """K transposed keeps a dimension's tokens together, V a token's dimensions:
+    a gather moves runs of the smaller block size, not single elements."""
+    index = regroup_index(transposed_k(source, 64), transposed_k(dest, 64), 0, 4096 // source,
+                          0, 4096 // dest)
+    assert plan_gather(index).run == run
+
+
+def test_a_shuffled_format_still_regroups_element_by_element() -> None:
+    index = regroup_index(shuffled(32, 1), shuffled(64, 2), 0, 4, 0, 2)
+    assert plan_gather(index).run == 1
