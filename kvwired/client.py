@@ -18,9 +18,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, Generic, Literal, Self, TypeVar, overload
 
 from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
@@ -29,7 +29,7 @@ from .pool import map_shared_fd, map_slot, retire_mapping
 from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Channel, Error, Failed, Message
 from .protocol import receiver_local as decode_api
 from .protocol import sender_local as prefill_api
-from .protocol.fields import REQ, SHAPE
+from .protocol.fields import NOTE, NOTE_CHECK, REQ, SHAPE
 from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
@@ -71,6 +71,15 @@ class LayerLanded:
     layer: int
     offset: int | None = None
     length: int | None = None
+
+
+@dataclass(frozen=True)
+class PushOpened:
+    """``req`` has a slot at the receiver and its bytes are on the way; ``note``
+    is what the prefill engine said about it with its open (its KV layout)."""
+
+    req: str
+    note: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -344,7 +353,8 @@ class SenderClient(_LocalClient):
     async def open(self, req: str, peer: str | None, shape: RequestShape | KVLayout, *,
                    chunk: str | int | None = None,
                    deadline: float | None = None,
-                   discard: bool = False) -> OutgoingPush:
+                   discard: bool = False,
+                   note: Mapping[str, Any] | None = None) -> OutgoingPush:
         """Open a push of request ``req`` to receiver ``peer`` (None: the
         sender's only receiver; an error names them when it has several;
         ``"auto"``: the sender chooses, by the registry, and the push's
@@ -352,6 +362,9 @@ class SenderClient(_LocalClient):
 
         ``discard``: the receiver frees the request as soon as it is delivered
         instead of holding it for a decode engine (benchmarks, warm-up).
+        ``note``: for the decode engine, which gets it as the push opens
+        (``PushOpened``), before any layer lands: a flat map of at most 32
+        named strings, numbers, booleans or nils.
         """
         layout = shape if isinstance(shape, KVLayout) else None
         request_shape = shape.shape() if isinstance(shape, KVLayout) else shape
@@ -363,12 +376,17 @@ class SenderClient(_LocalClient):
                                          and 0 < deadline <= MAX_SECONDS):
             raise UsageError(f"deadline {deadline!r} is not a number of seconds",
                              hint=f"pass seconds in (0, {MAX_SECONDS:g}], or no deadline")
+        wrong = None if note is None else (
+            "not a mapping" if not isinstance(note, Mapping) else NOTE_CHECK(dict(note)))
+        if wrong:
+            raise UsageError(f"the note of request {req}: {wrong}",
+                             hint=NOTE.expected)
         opening_msg = prefill_api.Open(
             req=req, peer=peer or self.only_peer(), shape=request_shape.to_wire(),
             chunk_bytes=None if chunk is None else resolve_chunk_bytes(
                 chunk, layout or request_shape),
             deadline=None if deadline is None else float(deadline),
-            discard=1 if discard else None)
+            discard=1 if discard else None, note=dict(note) if note else None)
         opening = _Opening(asyncio.get_running_loop().create_future(), request_shape,
                            time.perf_counter(), opening_msg.deadline)
         self._opening[req] = opening
@@ -538,7 +556,8 @@ class ReceiverClient(_LocalClient):
 
     def __init__(self, path: str) -> None:
         self.conn = _Connection(path, "decode", RECEIVER_LOCAL, self._route, self._fail_all)
-        self._events: dict[str, asyncio.Queue[LayerLanded | Delivered | KvwireError]] = {}
+        self._events: dict[str, asyncio.Queue[PushOpened | LayerLanded | Delivered
+                                              | KvwireError]] = {}
         self._released: dict[str, asyncio.Future[None]] = {}
 
     @classmethod
@@ -559,13 +578,24 @@ class ReceiverClient(_LocalClient):
             self.conn.send(decode_api.Subscribe(req=req,
                                                 readers=readers if readers > 1 else None))
 
-    async def events(self, req: str, readers: int = 1
-                     ) -> AsyncIterator[LayerLanded | Delivered]:
-        """Layer events of ``req`` in order, then its ``Delivered``; raises if it fails."""
+    @overload
+    def events(self, req: str, readers: int = 1, *, opened: Literal[False] = False
+               ) -> AsyncIterator[LayerLanded | Delivered]: ...
+
+    @overload
+    def events(self, req: str, readers: int = 1, *, opened: bool
+               ) -> AsyncIterator[PushOpened | LayerLanded | Delivered]: ...
+
+    async def events(self, req: str, readers: int = 1, *, opened: bool = False
+                     ) -> AsyncIterator[PushOpened | LayerLanded | Delivered]:
+        """Layer events of ``req`` in order, then its ``Delivered``; raises if it
+        fails. ``opened``: first a ``PushOpened`` with the prefill engine's note."""
         self.subscribe(req, readers)
         queue = self._events[req]
         while True:
             event = await queue.get()
+            if isinstance(event, PushOpened) and not opened:
+                continue
             if isinstance(event, KvwireError):
                 # The subscription ended with it (the daemon's rule too): asking
                 # for the id again subscribes anew.
@@ -621,6 +651,8 @@ class ReceiverClient(_LocalClient):
                     future.set_result(None)
             case Failed(req=req, error=error) if req in self._released:
                 self._released[req].set_exception(from_wire(error))
+            case decode_api.Opened(req=req, note=note):
+                self._event(req, PushOpened(req, note))
             case decode_api.Layer(req=req, layer=layer, offset=offset, length=length):
                 self._event(req, LayerLanded(req, layer, offset, length))
             case decode_api.Complete(req=req, offset=offset, length=length, layers=layers,
@@ -629,7 +661,8 @@ class ReceiverClient(_LocalClient):
             case Failed(req=req, error=error):
                 self._event(req, from_wire(error))
 
-    def _event(self, req: str, event: LayerLanded | Delivered | KvwireError) -> None:
+    def _event(self, req: str, event: PushOpened | LayerLanded | Delivered | KvwireError
+               ) -> None:
         if (queue := self._events.get(req)) is not None:
             queue.put_nowait(event)
 
@@ -720,9 +753,10 @@ class SyncSenderClient(_SyncClient[SenderClient]):
 
     def open(self, req: str, peer: str | None, shape: RequestShape | KVLayout, *,
              chunk: str | int | None = None, deadline: float | None = None,
-             discard: bool = False) -> SyncPush:
+             discard: bool = False, note: Mapping[str, Any] | None = None) -> SyncPush:
         push = self._runner.run(self._client.open(req, peer, shape, chunk=chunk,
-                                                  deadline=deadline, discard=discard))
+                                                  deadline=deadline, discard=discard,
+                                                  note=note))
         return SyncPush(self._runner, push)
 
     def push_bytes(self, req: str, peer: str | None, data: bytes, **kwargs: Any) -> PushResult:

@@ -20,6 +20,7 @@ from .fields import (
     LEASE_KEYS,
     LIST,
     NAMES,
+    NOTE,
     OPTIONAL_CHECKSUM,
     OPTIONAL_ERROR,
     OUTCOME,
@@ -84,6 +85,7 @@ class Open(Message):
     req: str = wire(REQ)
     shape: dict[str, int] = wire(SHAPE)
     discard: int | None = wire(FLAG, default=None)  # 1: an experiment's, freed once delivered
+    note: dict[str, Any] | None = wire(NOTE, default=None)  # for the decode engine
 
 
 @message_type("lease")

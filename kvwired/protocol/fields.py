@@ -112,7 +112,21 @@ def _names(value: Any) -> str | None:
     return None
 
 
+def _note(value: Any) -> str | None:
+    if len(value) > MAX_NOTE_ENTRIES:
+        return f"{len(value)} entries, more than {MAX_NOTE_ENTRIES}"
+    for key, item in value.items():
+        if not isinstance(key, str) or not 0 < len(key) <= 64:
+            return f"key {key!r} is not a name of 1 to 64 characters"
+        if isinstance(item, str) and len(item) > 256:
+            return f"{key!r} is a string of {len(item)} characters, more than 256"
+        if item is not None and not isinstance(item, str | int | float):
+            return f"{key!r} is {type(item).__name__}, not a string, number, boolean or nil"
+    return None
+
+
 MAX_SECONDS = 86400.0  # a deadline or wait longer than a day is a mistake
+MAX_NOTE_ENTRIES = 32
 MAX_LAYER_BYTES = 1 << 40
 U64 = (1 << 64) - 1
 
@@ -133,6 +147,12 @@ CHANNEL = _f(int, required=False, check=_int_range(0, stripes.MAX_CHANNELS - 1),
              expected=f"a data channel in 0..{stripes.MAX_CHANNELS - 1}")
 SHAPE = _f(dict, check=_shape, expected="{layers: 1..1024, layer_bytes: 1..2^40}")
 DICT = _f(dict)
+# What the prefill engine tells the decode engine about a push (its KV layout),
+# carried by both daemons with the open and never read by them: flat, small.
+NOTE_CHECK = _note
+NOTE = _f(dict, required=False, check=_note,
+          expected=f"a flat map of at most {MAX_NOTE_ENTRIES} named strings, numbers, "
+                   "booleans or nils")
 ERROR_SHAPE = "{code, message[, hint, status]} strings[, retriable: a boolean]"
 ERROR = _f(dict, check=_error, expected=ERROR_SHAPE)
 NAMES = _f(list, check=_names, expected="a list of names")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .common import Error, Failed, LocalHello
-from .fields import CHECKSUM, INT, LAYER, OPTIONAL_U64, READERS, REQ, STR, wire
+from .fields import CHECKSUM, INT, LAYER, NOTE, OPTIONAL_U64, READERS, REQ, STR, wire
 from .framing import Channel, Message, message_type
 
 
@@ -21,6 +23,17 @@ class Subscribe(Message):
 
     req: str = wire(REQ)
     readers: int | None = wire(READERS, default=None)
+
+
+@message_type("opened")
+class Opened(Message):
+    """The request has a slot here, its bytes on the way: the first word of a
+    subscription (sent when it opens, or on subscribing to one already open),
+    with the prefill engine's note, so a decode engine can refuse a push it
+    cannot read before its layers land."""
+
+    req: str = wire(REQ)
+    note: dict[str, Any] | None = wire(NOTE, default=None)
 
 
 @message_type("layer")
@@ -67,5 +80,5 @@ class Unsubscribed(Message):
 
 
 RECEIVER_LOCAL = Channel(
-    "receiver_local", LocalHello, Welcome, Subscribe, Layer, Complete, Release, Released,
-    Unsubscribe, Unsubscribed, Failed, Error)
+    "receiver_local", LocalHello, Welcome, Subscribe, Opened, Layer, Complete, Release,
+    Released, Unsubscribe, Unsubscribed, Failed, Error)

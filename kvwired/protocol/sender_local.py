@@ -13,6 +13,7 @@ from .fields import (
     INT,
     LAYER,
     LEASE,
+    NOTE,
     OPTIONAL_LIST,
     REQ,
     SECONDS,
@@ -38,6 +39,8 @@ class Open(Message):
     chunk_bytes: int | None = wire(CHUNK_BYTES, default=None)
     deadline: float | None = wire(SECONDS, default=None)
     discard: int | None = wire(FLAG, default=None)
+    # For the decode engine (its receiver passes it on); opaque to the daemons.
+    note: dict[str, Any] | None = wire(NOTE, default=None)
 
 
 @message_type("opened")

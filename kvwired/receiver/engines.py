@@ -92,6 +92,7 @@ class Engines:
         lease.readers = max(lease.readers, readers)
         lease.holders.add(consumer)
         self._claim(lease, ClaimEvent.SUBSCRIBED)
+        consumer.send(local.Opened(req=req, note=lease.note))
         for n in range(lease.landed):
             consumer.send(lease.layer_message(n))
         if lease.state is LeaseState.HELD:
@@ -184,6 +185,7 @@ class Engines:
         lease.readers = self.readers.pop(lease.req, 1)
         if lease.holders:
             self._claim(lease, ClaimEvent.SUBSCRIBED)
+        self.notify(lease.req, local.Opened(req=lease.req, note=lease.note))
         self.missed.forget(lease.req)
 
     def decided(self, lease: Lease, error: KvwireError | None) -> None:

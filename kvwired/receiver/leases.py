@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import structlog
 
@@ -73,6 +73,7 @@ class Lease:
     checksum: int = 0
     opened_at: float = 0.0
     discard: bool = False  # an experiment's request: freed once delivered
+    note: dict[str, Any] | None = None  # the prefill engine's, for the decode engines
     # Decode engines subscribed to it now; who holds it, and whether anyone
     # will release it (kvwired.lifecycle.claim).
     holders: set[Holder] = field(default_factory=set)
@@ -219,7 +220,7 @@ class LeaseBook:
                       LeaseKeys(req, session, keys),
                       stripes.LandingFence(len(keys), shape.layers),
                       opened_at=asyncio.get_running_loop().time(),
-                      discard=bool(msg.discard))
+                      discard=bool(msg.discard), note=msg.note)
         self.leases[lease.id] = lease
         self.by_req[req] = lease
         self.watchers.opened(lease)

@@ -244,13 +244,15 @@ class SenderDaemon(Daemon):
         return self.links[chosen]
 
     async def open_push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
-                        deadline: float | None = None, discard: bool = False) -> Push:
-        """Open a push; commit its layers, then await ``outcome``."""
+                        deadline: float | None = None, discard: bool = False,
+                        note: dict[str, Any] | None = None) -> Push:
+        """Open a push; commit its layers, then await ``outcome``. ``note``: for
+        the decode engine, passed on with the open (kvwired.protocol.fields.NOTE)."""
         if self.draining:
             raise RequestRefused(f"the sender is shutting down; request {req} was not opened",
                                  hint="open it on another sender, or once this one is back")
         return await self.driver.open(req, self.link(peer), shape, chunk_bytes, deadline,
-                                      discard)
+                                      discard, note)
 
     async def push(self, req: str, peer: str, shape: RequestShape, chunk_bytes: int,
                    discard: bool = True) -> Timings:
@@ -320,7 +322,7 @@ class SenderDaemon(Daemon):
         try:
             return await self.open_push(req, msg.peer, shape, chunk_bytes,
                                         None if msg.deadline is None else float(msg.deadline),
-                                        bool(msg.discard))
+                                        bool(msg.discard), msg.note)
         except KvwireError:
             raise
         except Exception as exc:

@@ -694,10 +694,12 @@ class PeerLink:
                                 f"expected {answer.kind!r}")
         return result
 
-    async def open(self, req: str, shape: RequestShape, discard: bool = False) -> ctl.Lease:
+    async def open(self, req: str, shape: RequestShape, discard: bool = False,
+                   note: dict[str, Any] | None = None) -> ctl.Lease:
         """Lease a slot for ``req``: the receiver's ``lease`` answer."""
         return await self.request(
-            ctl.Open(req=req, shape=shape.to_wire(), discard=1 if discard else None),
+            ctl.Open(req=req, shape=shape.to_wire(), discard=1 if discard else None,
+                     note=note or None),
             ctl.Lease,
             undo=lambda lease: ctl.Abort(req=lease.req, lease=lease.lease,
                                          error=RequestAborted(

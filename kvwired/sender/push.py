@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -178,7 +179,8 @@ class PushDriver:
         self.metrics.inflight.set(len(self.pushes))
 
     async def open(self, req: str, link: PeerLink, shape: RequestShape, chunk_bytes: int,
-                   deadline: float | None = None, discard: bool = False) -> Push:
+                   deadline: float | None = None, discard: bool = False,
+                   note: dict[str, Any] | None = None) -> Push:
         """Staging and a lease for ``req``; the push is driven from then on.
 
         Raises a ``KvwireError`` (``DeadlineExceeded`` when ``deadline``
@@ -192,7 +194,7 @@ class PushDriver:
             async with asyncio.timeout(deadline):
                 staging = await self._reserve_staging(req, link, shape)
                 push = await self._lease(req, link, shape, chunk_bytes, discard, opened_at,
-                                         staging)
+                                         staging, note)
         except TimeoutError:
             error = DeadlineExceeded(
                 f"request {req} could not be opened within its {deadline:g} s deadline",
@@ -236,10 +238,11 @@ class PushDriver:
         return staging
 
     async def _lease(self, req: str, link: PeerLink, shape: RequestShape, chunk_bytes: int,
-                     discard: bool, opened_at: float, staging: Slot) -> Push:
+                     discard: bool, opened_at: float, staging: Slot,
+                     note: dict[str, Any] | None) -> Push:
         try:
             await link.ensure()
-            lease = await link.open(req, shape, discard)
+            lease = await link.open(req, shape, discard, note)
             keys = lease.keys
             if len(keys) != len(link.channels):
                 error = ProtocolError(

@@ -16,7 +16,13 @@ import pytest
 from kvctl.cli import main as kvctl_main
 from kvctl.consume import consume
 from kvwired import checksum
-from kvwired.client import ReceiverClient, SenderClient, SyncReceiverClient, SyncSenderClient
+from kvwired.client import (
+    PushOpened,
+    ReceiverClient,
+    SenderClient,
+    SyncReceiverClient,
+    SyncSenderClient,
+)
 from kvwired.errors import (
     DaemonUnavailable,
     DeadlineExceeded,
@@ -538,6 +544,57 @@ async def test_a_push_read_by_two_engines_is_freed_by_the_second_release_only(
         assert bytes(rank1.view(second)) == b"s" * 8192 and second.offset == first.offset
         await rank1.release("shared")
     await until(lambda: local.receiver.pool.used_bytes == 0)
+
+
+async def test_the_prefill_engines_note_reaches_every_decode_engine_before_a_layer(
+        local: LocalDaemons) -> None:
+    """What a prefill engine says with its open (its KV layout) comes first in a
+    subscription, before any layer lands: to an engine that subscribed before
+    the push opened and to one that came after it was delivered; an engine
+    that did not ask for it sees the events it always did."""
+    note = {"attention": "mha", "dtype": "float32", "block_size": 128, "tp": 2}
+    async with await SenderClient.connect(local.sender_socket) as prefill, \
+            await ReceiverClient.connect(local.receiver_socket) as early, \
+            await ReceiverClient.connect(local.receiver_socket) as late:
+        early.subscribe("noted", readers=2)
+        push = await prefill.open("noted", "decode", RequestShape(2, 4096), note=note)
+        events = early.events("noted", readers=2, opened=True)
+        assert await anext(events) == PushOpened("noted", note)
+        for layer in range(2):
+            push.layer(layer)[:] = bytes([layer]) * 4096
+            push.commit(layer)
+        await push.finish()
+        kinds = [type(event).__name__ async for event in events]
+        assert kinds[-1] == "Delivered" and "PushOpened" not in kinds
+        seen = [event async for event in late.events("noted", readers=2, opened=True)]
+        assert seen[0] == PushOpened("noted", note)
+        assert [type(e).__name__ for e in seen[1:]] == ["LayerLanded", "LayerLanded",
+                                                        "Delivered"]
+        await early.release("noted")
+        await late.release("noted")
+        # Without a note, or without asking: no PushOpened in the way.
+        await prefill.push_bytes("plain", "decode", b"p" * 4096)
+        assert [type(e).__name__ async for e in early.events("plain")] == ["LayerLanded",
+                                                                          "Delivered"]
+        await early.release("plain")
+    await until(lambda: local.receiver.pool.used_bytes == 0)
+
+
+@pytest.mark.parametrize(("note", "wrong"), [
+    ({"layout": {"dtype": "float16"}}, "is dict, not a string"),
+    ({f"k{n}": n for n in range(40)}, "40 entries"),
+    ({"k": "x" * 300}, "300 characters"),
+    ("dtype=float16", "not a mapping"),
+])
+async def test_a_note_the_daemons_would_refuse_is_refused_by_the_client_saying_what_fits(
+        local: LocalDaemons, note: object, wrong: str) -> None:
+    async with await SenderClient.connect(local.sender_socket) as prefill:
+        with pytest.raises(UsageError, match=wrong) as refused:
+            await prefill.open("bad-note", "decode", RequestShape(1, 4096),
+                               note=note)  # type: ignore[arg-type]
+        assert "flat map of at most 32" in refused.value.hint
+        # Nothing was opened: the id is free.
+        await prefill.push_bytes("bad-note", "decode", b"n" * 4096)
 
 
 async def test_a_shared_push_whose_second_reader_never_comes_is_reclaimed(

@@ -37,6 +37,7 @@ from kvwired.stream import MessageStream
 
 ERR = {"code": "pool_full", "message": "m", "hint": "h"}
 SHAPE_OK = {"layers": 24, "layer_bytes": 2 << 20}
+NOTE_OK = {"attention": "mha", "dtype": "float32", "block_size": 128, "head_bytes": 32768}
 EXAMPLES: list[tuple[Channel, dict[str, Any]]] = [
     (CONTROL, message("hello", role="sender", name="p", transports=["tcp"])),
     (CONTROL, message("welcome", name="d", transport="tcp", credits=64)),
@@ -56,6 +57,11 @@ EXAMPLES: list[tuple[Channel, dict[str, Any]]] = [
     (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK)),
     (SENDER_LOCAL, message("commit", req="r", layer=3)),
     (SENDER_LOCAL, message("finished", req="r", checksum=1, timings={"x": 1.0})),
+    (CONTROL, message("open", req="r", shape={"layers": 2, "layer_bytes": 64},
+                      note={"dtype": "float16", "block_size": 16, "tp": 2, "x": None})),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, note=NOTE_OK)),
+    (RECEIVER_LOCAL, message("opened", req="r", note=NOTE_OK)),
+    (RECEIVER_LOCAL, message("opened", req="r")),
     (RECEIVER_LOCAL, message("complete", req="r", offset=0, length=9, layers=1, checksum=5)),
     (RECEIVER_LOCAL, message("release", req="r")),
 ]
@@ -171,7 +177,7 @@ VALUES = (st.none() | st.booleans() | INT64 | st.floats() | st.text(max_size=8)
 @pytest.mark.parametrize("channel", sorted(SCHEMAS))
 @given(fields=st.dictionaries(st.sampled_from(["req", "lease", "layer", "shape", "deadline",
                                                "offset", "error", "n", "peer", "chunk_bytes",
-                                               "checksum"]) | st.text(max_size=8),
+                                               "checksum", "note"]) | st.text(max_size=8),
                               VALUES, max_size=8),
        data=st.data())
 def test_any_map_validates_or_is_a_protocol_error(
@@ -252,6 +258,17 @@ def _open(**shape: object) -> dict[str, Any]:
     (SENDER_LOCAL, message("commit", req="r", layer=1024), "outside 0..1023"),
     (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, discard=2),
      "outside 0..1"),
+    # A note is the prefill engine's to the decode engine: flat and small.
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK,
+                           note={"layout": {"dtype": "float16"}}), "is dict, not a string"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK,
+                           note={f"k{n}": n for n in range(33)}), "33 entries"),
+    (SENDER_LOCAL, message("open", req="r", peer="d", shape=SHAPE_OK, note={"k": "x" * 300}),
+     "300 characters"),
+    (CONTROL, message("open", req="r", shape=SHAPE_OK, note={"": 1}), "not a name"),
+    (CONTROL, message("open", req="r", shape=SHAPE_OK, note={"k": [1, 2]}), "is list"),
+    (RECEIVER_LOCAL, message("opened", req="r", note={"k": b"\x00"}), "is bytes"),
+    (RECEIVER_LOCAL, message("opened", req="r", note=[1]), "is list"),
 ])
 def test_values_out_of_range_are_refused_with_a_hint(
         schema: Channel, msg: dict[str, Any], text: str) -> None:
