@@ -23,7 +23,9 @@ decodes a request only once every rank's load has ended, and recomputes
 
 A load the scheduler refused (the prefill engine's layout cannot be taken
 here) fails at once, and its pushes are released as they open, so they do
-not sit in the receive pool.
+not sit in the receive pool. Asked before the prefill engine announced its
+layout (the proxy's parallel flow), a load reads it off each push's open,
+before any layer lands, and refuses there.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvwired.client import LayerLanded, LoopThread, ReceiverClient
+from kvwired.client import LayerLanded, LoopThread, PushOpened, ReceiverClient
 from kvwired.errors import KvwireError
 
 from .blockmap import Gather, TokenMap, plan_gather, regroup, regroup_index
@@ -137,13 +139,17 @@ class Consumer:
     async def _load_push(self, client: ReceiverClient, plan: LoadPlan,
                          push: HeadPush) -> None:
         copied: set[int] = set()
+        source = self.cache.layout  # until the push's open says otherwise
         try:
-            async for event in client.events(push.name, push.readers):
-                if isinstance(event, LayerLanded):
+            async for event in client.events(push.name, push.readers, opened=True):
+                if isinstance(event, PushOpened):
+                    source = self._opened(plan, event)
+                elif isinstance(event, LayerLanded):
                     if event.offset is not None:
-                        self._copy(plan, push, client.view(event), [event.layer], copied)
+                        self._copy(plan, push, source, client.view(event), [event.layer],
+                                   copied)
                 else:
-                    self._copy(plan, push, client.view(event),
+                    self._copy(plan, push, source, client.view(event),
                                range(len(push.group.layer_names)), copied)
         finally:
             # Released in every case: a slot not delivered yet is aborted (the
@@ -166,14 +172,30 @@ class Consumer:
                 await client.release(push.name)
         await asyncio.gather(*(discard(p) for p in pushes))
 
-    def _copy(self, plan: LoadPlan, push: HeadPush, view: memoryview,
+    def _opened(self, plan: LoadPlan, event: PushOpened) -> EngineLayout:
+        """The layout the push was made in, from the prefill engine's note with its
+        open, before any layer lands: this engine's, or this engine's at the
+        prefill block size where the copy bridges the two. A layout this engine
+        cannot read refuses the load now (the decode engine was asked before
+        the prefill engine's answer announced it: the proxy's parallel flow);
+        one announced in the answer was checked when the load was planned."""
+        own = self.cache.layout
+        if event.note is None:  # a prefill engine of an older release: the seals say
+            return own
+        prefill = EngineLayout.from_params(event.note, f"push {event.req}")
+        differences = own.differences(prefill)
+        if differences:
+            raise LayoutMismatch(f"request {plan.req_id}: the prefill engine's KV layout "
+                                 "differs from this engine's: " + "; ".join(differences))
+        return own.with_block_size(prefill.block_size) if own.bridges(prefill) else own
+
+    def _copy(self, plan: LoadPlan, push: HeadPush, source: EngineLayout, view: memoryview,
               layers: Iterable[int], copied: set[int]) -> None:
         """Layers' seals checked, then their blocks copied into vLLM's (regrouped
-        when the prefill engine's block size differs): on the loop's thread, so
-        a cancelled load cannot leave a copy running behind it."""
+        when the prefill engine's block size, ``source``'s, differs): on the
+        loop's thread, so a cancelled load cannot leave a copy running behind it."""
         group, span = push.group, plan.groups[push.group.index]
         count = len(group.layer_names)
-        source = self._pushed_layout(plan, view, count)
         own_size = self.cache.block_size
         bridged = source.block_size != own_size
         head_bytes = group.head_bytes // own_size * source.block_size
@@ -215,25 +237,12 @@ class Consumer:
                                           kv[start : start + group.head_bytes])
             copied.add(n)
 
-    def _pushed_layout(self, plan: LoadPlan, view: memoryview, layers: int) -> EngineLayout:
-        """The layout the push was made in: this engine's, or this engine's at the
-        prefill engine's block size where the copy bridges the two (announced in
-        its answer, or, asked before it answered, read off the first seal)."""
-        own = self.cache.layout
-        prefill = plan.order.layout
-        if prefill is None:
-            seal = _first_seal(view, layers)
-            if seal is None or seal.block_size == own.block_size:
-                return own
-            prefill = own.with_block_size(seal.block_size)
-        return own.with_block_size(prefill.block_size) if own.bridges(prefill) else own
-
     @staticmethod
     def _check_prefill_layout(plan: LoadPlan, view: memoryview, layers: int,
                               expected: LayerSeal) -> None:
-        """A push of another size than this engine expects: when the decode
-        engine was asked before the prefill engine announced its layout (the
-        proxy's parallel flow), the first layer's seal says what differs."""
+        """A push of another size than this engine expects, opened without a
+        layout (not by kvwire's connector): the first layer's seal says what
+        differs."""
         seal = _first_seal(view, layers)
         if seal is None:
             return

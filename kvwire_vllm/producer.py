@@ -120,8 +120,11 @@ class Producer:
         client = await self._daemon.client()
         shape = RequestShape(len(push.group.layer_names),
                              layer_bytes(len(push.block_ids), push.group.head_bytes))
+        # The layout travels with the open: a decode engine asked before this
+        # engine answered (the proxy's parallel flow) checks it before a layer lands.
         return await client.open(push.name, push.plan.order.receiver, shape,
-                                 deadline=push.plan.deadline)
+                                 deadline=push.plan.deadline,
+                                 note=self.cache.layout.to_params())
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name``'s attention wrote its KV: copy, seal, commit

@@ -257,8 +257,8 @@ def test_block_sizes_that_divide_each_other_are_regrouped_by_the_copy(
         hosts: Hosts, model: Path, prefill_block: int, decode_block: int, flow: str) -> None:
     """The prefill engine's blocks regrouped into the decode engine's, inside the
     kernel's own block format: one engine's tokens, every prompt loaded over
-    kvwire (announced in the answer, or read off the first seal when the decode
-    engine was asked first)."""
+    kvwire (announced in the answer, or read off the push's open when the
+    decode engine was asked first)."""
     prompts = make_prompts([300, 700, 1300], seed=53)
     transfers, params = orders(len(prompts))
     pushed = run(hosts, model, "prefill", prompts, params, {"block_size": prefill_block})
@@ -284,8 +284,8 @@ def test_a_dtype_mismatch_is_refused_naming_both_sides(
         hosts: Hosts, model: Path, policy: str, flow: str) -> None:
     """Sequential (the decode engine gets the prefill engine's answer): refused
     when the load is planned. Parallel (the proxy's default: asked at the same
-    time, before any layout is announced): refused from the first layer's
-    seal, before a byte reaches the cache."""
+    time, before any layout is announced): refused from the layout the
+    prefill engine sent with each push's open, before a layer is read."""
     prompts = make_prompts([300, 700], seed=51)
     transfers, params = orders(len(prompts))
     pushed = run(hosts, model, "prefill", prompts, params, {})  # float32
@@ -294,12 +294,9 @@ def test_a_dtype_mismatch_is_refused_naming_both_sides(
                else unannounced(transfers))
     decoded, log = decode_engine(hosts, model, prompts, answers, {"dtype": "bfloat16"},
                                  policy, f"mismatch-{policy}-{flow}")
-    if flow == "parallel":  # a seal does not name the dtype: the bytes it makes
-        assert "block_bytes: prefill 32768, decode 16384" in log
-    else:
-        assert "dtype: prefill float32, decode bfloat16" in log
+    assert "dtype: prefill float32, decode bfloat16" in log
     counters = decoded["counters"]
-    # Refused by the plan (or the first seal's size), never by a broken seal.
+    # Refused by the plan or the push's open, never by a seal.
     assert counters["failures"] == {"load:layout_mismatch": len(prompts)}, counters
     if policy == "recompute":
         assert [o["tokens"] for o in decoded["outputs"]] == \
