@@ -104,7 +104,7 @@ class Consumer:
             log.exception("kvwire: load of %s broke", plan.order.transfer)
             self._failed_load(plan, exc)
         else:
-            self.counters.loaded(plan.tokens - plan.first * self.cache.block_size,
+            self.counters.loaded(plan.loaded,
                                  self._bytes(plan), time.perf_counter() - started)
         finally:
             self._tasks.pop(plan.req_id, None)

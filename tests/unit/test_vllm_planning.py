@@ -23,7 +23,12 @@ from kvwire_vllm.params import (
     LoadOrder,
     PushOrder,
 )
-from kvwire_vllm.scheduling import ConsumerPlanner, ProducerPlanner, blocks_of
+from kvwire_vllm.scheduling import (
+    ConsumerPlanner,
+    ProducerPlanner,
+    blocks_of,
+    tail_to_recompute,
+)
 from kvwire_vllm.seal import (
     SEAL_BYTES,
     LayerSeal,
@@ -213,6 +218,32 @@ def test_the_consumer_is_asked_twice_without_side_effects_then_loads_once() -> N
     assert (load.first, load.total, load.block_ids) == (1, 3, [11, 12])
     assert planner.plan().loads == []
     planner.finished("r")
+
+
+def test_a_cpu_mla_engine_leaves_the_prompts_last_two_tokens_to_compute() -> None:
+    """vLLM's CPU MLA decode kernel disagrees with its prefill path, so the
+    decode engine computes the last two tokens (a prefill over the loaded
+    context), not one; the push and the blocks loaded stay whole."""
+    from kvwire_vllm.shards import EngineLayout
+
+    mla = EngineLayout(attention="mla", dtype="float32", layers=2, kv_heads=1,
+                       head_size=576, block_size=16, head_bytes=36864,
+                       block_format="cpu/AVX512", groups="full:2")
+    assert tail_to_recompute(mla) == 2
+    assert tail_to_recompute(replace(mla, block_format="cuda")) == 1
+    assert tail_to_recompute(replace(mla, attention="mha", kv_heads=2)) == 1
+    assert tail_to_recompute(None) == 1
+    planner = ConsumerPlanner(block_size=16, layout=mla, recompute=tail_to_recompute(mla))
+    request = FakeRequest("r", list(range(40)), {
+        "do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_tokens": 40,
+        "kvwire_deadline": 3})
+    assert planner.matched_tokens(request, 16) == (22, True)  # 38 loaded, 2 computed
+    planner.allocated(request, ([7, 8, 9],), 22)
+    [load] = planner.plan().loads
+    assert (load.first, load.total, load.block_ids, load.loaded) == (1, 3, [8, 9], 22)
+    short = FakeRequest("s", [1, 2], {"do_remote_prefill": True, "kvwire_transfer": "u",
+                                      "kvwire_tokens": 2, "kvwire_deadline": 3})
+    assert planner.matched_tokens(short, 0) == (0, False)  # nothing left to load
 
 
 @given(prompt=st.integers(1, 2000), block=st.sampled_from([16, 32, 128]),
