@@ -147,7 +147,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._consumer_planner is not None:
-            return KvwireMetadata(self._consumer_planner.plan())
+            return KvwireMetadata(self._consumer_planner.plan(
+                r.req_id for r in scheduler_output.scheduled_new_reqs))
         assert self._producer_planner is not None
         cached = scheduler_output.scheduled_cached_reqs
         new = [(r.req_id, r.block_ids, r.num_computed_tokens)
@@ -208,7 +209,7 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         if self._consumer is not None and isinstance(metadata, KvwireMetadata):
-            self._consumer.begin_step(metadata.plan.loads)
+            self._consumer.begin_step(metadata.plan.loads, metadata.plan.restores)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its load ended
@@ -221,6 +222,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         if self._producer is not None:
             self._producer.end_step()
+        elif self._consumer is not None:
+            self._consumer.end_step()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._producer is not None:

@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 from kvwired.client import LayerLanded, LoopThread, PushOpened, ReceiverClient
 from kvwired.errors import KvwireError
@@ -83,10 +84,41 @@ class Consumer:
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
+        # Per loaded request, per layer: its kept blocks' ids and loaded bytes,
+        # until the step that computes its tail writes them back.
+        self._kept: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._restoring: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
 
-    def begin_step(self, plans: list[LoadPlan]) -> None:
+    def begin_step(self, plans: list[LoadPlan], restores: Iterable[str] = ()) -> None:
         for plan in plans:
             self.thread.submit(self._run(plan))
+        with self._lock:
+            self._restoring = [kept for req_id in restores
+                               if (kept := self._kept.pop(req_id, None)) is not None]
+
+    def end_step(self) -> None:
+        """After the forward pass of a step computing loaded requests' tails:
+        their kept blocks get the pushed bytes back, every layer (vLLM's CPU
+        MLA calls no per-layer hook, so this is the one place)."""
+        for kept in self._restoring:
+            for layer, (ids, data) in kept.items():
+                self.cache.tensors[layer][ids] = data
+        self._restoring = []
+
+    def _keep(self, plan: LoadPlan) -> None:
+        """The loaded bytes of ``plan``'s kept blocks (vLLM computes those
+        tokens again; the prefill engine's bytes are written back after)."""
+        kept = {}
+        for group, load in zip(self.cache.engine.groups, plan.groups, strict=True):
+            if not load.kept:
+                continue
+            for name in group.layer_names:
+                cache = self.cache.tensors[name]
+                ids = torch.tensor(load.kept, dtype=torch.int64, device=cache.device)
+                kept[name] = (ids, cache[ids].clone())
+        if kept:
+            with self._lock:
+                self._kept[plan.req_id] = kept
 
     async def _run(self, plan: LoadPlan) -> None:
         task = asyncio.current_task()
@@ -104,6 +136,7 @@ class Consumer:
             log.exception("kvwire: load of %s broke", plan.order.transfer)
             self._failed_load(plan, exc)
         else:
+            self._keep(plan)
             self.counters.loaded(plan.loaded,
                                  self._bytes(plan), time.perf_counter() - started)
         finally:
@@ -273,6 +306,10 @@ class Consumer:
 
     def cancel(self, req_ids: set[str]) -> None:
         """Requests vLLM finished (aborted) while their loads run: stop them."""
+        with self._lock:
+            for req_id in req_ids:
+                self._kept.pop(req_id, None)
+
         def cancel_on_loop() -> None:
             for req_id in req_ids:
                 task = self._tasks.get(req_id)

@@ -74,6 +74,9 @@ class GroupLoad:
     pushed_from: int
     load_from: int
     block_ids: list[int]
+    # The blocks holding the tail the engine computes again (recompute > 1),
+    # whose loaded bytes are written back once it has (``StepPlan.restores``).
+    kept: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class LoadPlan:
 class StepPlan:
     pushes: list[PushPlan] = field(default_factory=list)
     loads: list[LoadPlan] = field(default_factory=list)
+    # Loaded requests whose recomputed tail this step computes: their kept
+    # blocks get the pushed bytes back after the step's forward pass.
+    restores: list[str] = field(default_factory=list)
 
 
 def tail_to_recompute(layout: EngineLayout | None) -> int:
@@ -218,6 +224,7 @@ class ConsumerPlanner:
         self.layout = layout
         self.recompute = recompute  # the prompt's last tokens this engine computes
         self._loading: set[str] = set()
+        self._tails: set[str] = set()  # loaded with kept blocks, not yet computed
         self._pending: list[LoadPlan] = []
 
     def matched_tokens(self, request: RequestLike, computed: int) -> tuple[int, bool]:
@@ -254,10 +261,23 @@ class ConsumerPlanner:
                 refusal = (f"KV-cache group {n} needs blocks {first}..{start - 1}, which the "
                            "push leaves out as outside its sliding window")
             load_from = max(first, start)
-            groups.append(GroupLoad(start, load_from, list(ids[load_from:total])))
+            groups.append(GroupLoad(start, load_from, list(ids[load_from:total]),
+                                    self._kept(tokens, ids, load_from)))
         self._loading.add(request.request_id)
+        if refusal is None and any(group.kept for group in groups):
+            self._tails.add(request.request_id)
         self._pending.append(LoadPlan(request.request_id, order, tokens, first, total,
                                       tuple(groups), refusal, external_tokens))
+
+    def _kept(self, tokens: int, ids: Sequence[int], load_from: int) -> list[int]:
+        """The loaded blocks holding the tail this engine computes again beyond
+        vLLM's one token. Its own computation of them (over a cached context)
+        may differ from the prefill engine's by rounding, and later tokens
+        attend to them: the pushed bytes are written back once computed."""
+        if self.recompute <= 1 or tokens <= self.recompute:
+            return []
+        first = max(load_from, (tokens - self.recompute) // self.block_size)
+        return [b for b in ids[first:blocks_of(tokens, self.block_size)] if b != NULL_BLOCK]
 
     def _loaded(self, tokens: int) -> int:
         """The prompt tokens a push of ``tokens`` gives this engine: all of them
@@ -275,13 +295,18 @@ class ConsumerPlanner:
         return ("the prefill engine's KV layout differs from this engine's: "
                 + "; ".join(differences))
 
-    def plan(self) -> StepPlan:
-        plan = StepPlan(loads=self._pending)
+    def plan(self, scheduled: Iterable[str] = ()) -> StepPlan:
+        """``scheduled``: the requests this step computes for the first time
+        (a loaded request's first step computes its tail)."""
+        restores = [req_id for req_id in scheduled if req_id in self._tails]
+        self._tails.difference_update(restores)
+        plan = StepPlan(loads=self._pending, restores=restores)
         self._pending = []
         return plan
 
     def finished(self, req_id: str) -> None:
         self._loading.discard(req_id)
+        self._tails.discard(req_id)
 
     @staticmethod
     def _tokens(request: RequestLike, order: LoadOrder) -> int:

@@ -59,11 +59,12 @@ def offline(job: dict[str, Any], timeout: float = 300.0,
     done = subprocess.run([*prefix, engine_python(), "-m", "kvwire_vllm.offline"],
                           input=json.dumps(job), capture_output=True, text=True,
                           timeout=timeout, env=engine_env())
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
+    # The result is the job's one JSON line; a TP engine's workers may log after it.
+    results = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not results:
         raise EngineError(f"the {job.get('role')} engine exited with {done.returncode}:\n"
                           + "\n".join(done.stderr.splitlines()[-25:]))
-    return dict(json.loads(lines[-1]))
+    return dict(json.loads(results[-1]))
 
 
 class OfflineProcess:

@@ -223,7 +223,8 @@ def test_the_consumer_is_asked_twice_without_side_effects_then_loads_once() -> N
 def test_a_cpu_mla_engine_leaves_the_prompts_last_two_tokens_to_compute() -> None:
     """vLLM's CPU MLA decode kernel disagrees with its prefill path, so the
     decode engine computes the last two tokens (a prefill over the loaded
-    context), not one; the push and the blocks loaded stay whole."""
+    context), not one, and gets their blocks' pushed bytes back after; the
+    push and the blocks loaded stay whole."""
     from kvwire_vllm.shards import EngineLayout
 
     mla = EngineLayout(attention="mla", dtype="float32", layers=2, kv_heads=1,
@@ -239,8 +240,22 @@ def test_a_cpu_mla_engine_leaves_the_prompts_last_two_tokens_to_compute() -> Non
         "kvwire_deadline": 3})
     assert planner.matched_tokens(request, 16) == (22, True)  # 38 loaded, 2 computed
     planner.allocated(request, ([7, 8, 9],), 22)
-    [load] = planner.plan().loads
+    step = planner.plan(scheduled=["another"])
+    [load] = step.loads
     assert (load.first, load.total, load.block_ids, load.loaded) == (1, 3, [8, 9], 22)
+    # Tokens 38 and 39 lie in the third block: its pushed bytes go back in
+    # after the step that computes them, the request's first.
+    assert load.groups[0].kept == [9] and step.restores == []
+    assert planner.plan(scheduled=["r"]).restores == ["r"]
+    assert planner.plan(scheduled=["r"]).restores == []
+    across = FakeRequest("x", list(range(33)), {
+        "do_remote_prefill": True, "kvwire_transfer": "v", "kvwire_tokens": 33,
+        "kvwire_deadline": 3})
+    assert planner.matched_tokens(across, 0) == (31, True)
+    planner.allocated(across, ([4, 5, 6],), 31)
+    assert planner.plan().loads[0].groups[0].kept == [5, 6]  # tokens 31 and 32
+    planner.finished("x")
+    assert planner.plan(scheduled=["x"]).restores == []  # ended before it ran
     short = FakeRequest("s", [1, 2], {"do_remote_prefill": True, "kvwire_transfer": "u",
                                       "kvwire_tokens": 2, "kvwire_deadline": 3})
     assert planner.matched_tokens(short, 0) == (0, False)  # nothing left to load
