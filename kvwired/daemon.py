@@ -52,6 +52,8 @@ class Daemon(ABC):
         self.socket_path = socket_path
         self.metrics = Metrics(self.role)
         self.metrics.live.sources.append(self.live_metrics)
+        self.metrics.live.sources.append(self._loop_samples)
+        self.loop: asyncio.AbstractEventLoop | None = None  # once serving
         self.metrics_port = 0
         self.draining = False
         self._servers: list[Server] = []
@@ -96,6 +98,14 @@ class Daemon(ABC):
     def live_metrics(self) -> Iterator[LiveSample]:
         """Gauges read at scrape time."""
 
+    def _loop_samples(self) -> Iterator[LiveSample]:
+        """The event loop's live tasks: what a soak watches for growth per
+        session or request (read from the metrics thread; ``all_tasks`` copies
+        its set, retrying if the loop changes it meanwhile)."""
+        if self.loop is not None:
+            yield ("kvwire_event_loop_tasks", "asyncio tasks alive in the daemon's event loop",
+                   [], [], float(len(asyncio.all_tasks(self.loop))))
+
     @abstractmethod
     def stop_accepting(self) -> None:
         """Refuse new work: close the listeners a drain closes."""
@@ -130,6 +140,7 @@ class Daemon(ABC):
     async def serve_local(self, handler: ClientHandler) -> None:
         """The unix socket for engines. It comes last: once it accepts, the
         daemon is ready (pools, transport and listeners are up)."""
+        self.loop = asyncio.get_running_loop()
         self._local_server = await serve_unix(self.socket_path, handler)
         self._servers.append(self._local_server)
 

@@ -25,7 +25,7 @@ VERDICT_TTL = 600.0  # seconds a verdict is kept: far past any reconnect and dea
 MAX_VERDICTS = 65536  # at most this many are kept; the oldest go first
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # up to MAX_VERDICTS of them are kept
 class Verdict:
     """How one lease ended: delivered (with its checksum) or aborted (with why)."""
 

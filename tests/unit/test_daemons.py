@@ -372,6 +372,9 @@ async def test_metrics_agree_on_both_ends(local: LocalDaemons) -> None:
     assert registry.get_sample_value("kvwire_leases", {"state": "filling"}) == 0
     assert registry.get_sample_value("kvwire_receives_posted", {"peer": "prefill"}) == 0
     assert registry.get_sample_value("process_start_time_seconds") is not None
+    for daemon in (local.receiver, local.sender):  # both share this test's loop
+        tasks = daemon.metrics.registry.get_sample_value("kvwire_event_loop_tasks")
+        assert tasks is not None and tasks >= 1
 
     sender = local.sender.metrics.registry
     at_decode = {"peer": "decode"}
