@@ -47,7 +47,7 @@ from . import stats as stats_module
 from .cache import KVCacheBlocks, block_format
 from .describe import describe
 from .params import ConnectorSettings
-from .scheduling import ConsumerPlanner, ProducerPlanner, StepPlan, tail_to_recompute
+from .scheduling import ConsumerPlanner, ProducerPlanner, StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -123,9 +123,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
                 self._producer_planner = ProducerPlanner(self.settings, self.block_size,
                                                          windows, self.engine.layout)
             else:
-                self._consumer_planner = ConsumerPlanner(
-                    self.block_size, windows, self.engine.layout,
-                    recompute=tail_to_recompute(self.engine.layout))
+                self._consumer_planner = ConsumerPlanner(self.block_size, windows,
+                                                         self.engine.layout)
 
     # ------------------------------------------------------------ scheduler
 

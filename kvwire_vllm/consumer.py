@@ -112,10 +112,11 @@ class Consumer:
         for group, load in zip(self.cache.engine.groups, plan.groups, strict=True):
             if not load.kept:
                 continue
+            # One index for the group: its layers share the engine's device.
+            device = self.cache.tensors[group.layer_names[0]].device
+            ids = torch.tensor(load.kept, dtype=torch.int64, device=device)
             for name in group.layer_names:
-                cache = self.cache.tensors[name]
-                ids = torch.tensor(load.kept, dtype=torch.int64, device=cache.device)
-                kept[name] = (ids, cache[ids].clone())
+                kept[name] = (ids, self.cache.tensors[name][ids].clone())
         if kept:
             with self._lock:
                 self._kept[plan.req_id] = kept

@@ -218,11 +218,11 @@ class ConsumerPlanner:
     """Decode side: an asynchronous load for every request with remote prefill."""
 
     def __init__(self, block_size: int, windows: Sequence[int | None] = (None,),
-                 layout: EngineLayout | None = None, recompute: int = 1) -> None:
+                 layout: EngineLayout | None = None) -> None:
         self.block_size = block_size
         self.windows = tuple(windows)
         self.layout = layout
-        self.recompute = recompute  # the prompt's last tokens this engine computes
+        self.recompute = tail_to_recompute(layout)  # the prompt's last tokens it computes
         self._loading: set[str] = set()
         self._tails: set[str] = set()  # loaded with kept blocks, not yet computed
         self._pending: list[LoadPlan] = []

@@ -234,7 +234,7 @@ def test_a_cpu_mla_engine_leaves_the_prompts_last_two_tokens_to_compute() -> Non
     assert tail_to_recompute(replace(mla, block_format="cuda")) == 1
     assert tail_to_recompute(replace(mla, attention="mha", kv_heads=2)) == 1
     assert tail_to_recompute(None) == 1
-    planner = ConsumerPlanner(block_size=16, layout=mla, recompute=tail_to_recompute(mla))
+    planner = ConsumerPlanner(block_size=16, layout=mla)
     request = FakeRequest("r", list(range(40)), {
         "do_remote_prefill": True, "kvwire_transfer": "t", "kvwire_tokens": 40,
         "kvwire_deadline": 3})
