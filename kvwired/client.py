@@ -25,11 +25,12 @@ from typing import Any, Generic, Literal, Self, TypeVar, overload
 from .errors import DaemonUnavailable, KvwireError, UsageError, from_wire
 from .layout import KVLayout, RequestShape, resolve_chunk_bytes
 from .localsock import connect_local
-from .pool import map_shared_fd, map_slot, retire_mapping
+from .pool import map_shared_fd
 from .protocol import MAX_SECONDS, RECEIVER_LOCAL, SENDER_LOCAL, Channel, Error, Failed, Message
 from .protocol import receiver_local as decode_api
 from .protocol import sender_local as prefill_api
 from .protocol.fields import NOTE, NOTE_CHECK, REQ, SHAPE
+from .slot_maps import SlotMaps
 from .stream import MessageStream
 
 DEFAULT_SENDER_SOCKET = "/run/kvwire/sender.sock"
@@ -114,6 +115,7 @@ class _Connection:
         self._route, self._fail_all = route, fail_all
         self.map: mmap.mmap | None = None  # the whole pool (decode engines, read-only)
         self.fd: int | None = None  # the pool's fd (prefill engines map per push)
+        self.slot_maps: SlotMaps | None = None  # those maps, kept warm between pushes
         self.welcome: prefill_api.Welcome | decode_api.Welcome | None = None
         self._stream: MessageStream | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -125,6 +127,7 @@ class _Connection:
             self.map = map_shared_fd(fd, welcome.pool_size, writable=False)
         else:
             self.fd = fd
+            self.slot_maps = SlotMaps(fd)
         self.welcome, self._stream = welcome, stream
         self._reader_task = asyncio.create_task(self._read(stream))
 
@@ -159,6 +162,8 @@ class _Connection:
                 await self._reader_task
         if self._stream is not None:
             self._stream.close()
+        if self.slot_maps is not None:
+            self.slot_maps.close()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -177,12 +182,13 @@ class OutgoingPush:
         self.deadline = deadline  # seconds from ``started``, as given to open()
         self.shape = shape
         self.chunk_bytes = chunk_bytes
-        assert client.conn.fd is not None, "the sender's pool fd is kept for per-push maps"
+        maps = client.conn.slot_maps
+        assert maps is not None, "a sender connection maps its staging per push"
         # This push's own mapping of its staging: when it ends, the mapping is
-        # pointed at private memory, so a view kept past the end can never
-        # write into a later push that reuses the slot (see pool.retire_mapping).
-        self._mapping = map_slot(client.conn.fd, offset, shape.total_bytes)
-        self.buffer = memoryview(self._mapping)[: shape.total_bytes]
+        # taken from every view, so a view kept past the end can never write
+        # into a later push that reuses the slot (see kvwired.slot_maps).
+        self._maps = maps
+        self._slot, self.buffer = maps.take(offset, shape.total_bytes)
         self._committed = 0
         self._aborted = False
         self._started = started
@@ -278,10 +284,10 @@ class OutgoingPush:
     def _retire(self, tell_daemon: bool = True) -> None:
         """The push ended: take its staging away from every view, then let the
         daemon reuse it."""
-        if self._mapping.closed:
+        if self._slot.mapping.closed:
             return
         self.buffer.release()
-        retire_mapping(self._mapping)
+        self._maps.retire(self._slot)
         if tell_daemon and self.client.conn.broken is None:
             self.client.conn.send(prefill_api.Dropped(req=self.req))
 

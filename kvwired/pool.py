@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import ctypes
 import fcntl
 import mmap
 import os
@@ -129,49 +128,6 @@ def map_shared_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
     finally:
         os.close(fd)
-
-
-def map_slot(fd: int, offset: int, length: int) -> mmap.mmap:
-    """A writable mapping of ``length`` bytes of a pool fd at page-aligned ``offset``.
-
-    Each push gets its own, so that ``retire_mapping`` can take exactly its
-    bytes away from the engine when it ends.
-    """
-    return mmap.mmap(fd, align_up(length), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                     prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-
-
-def retire_mapping(mapping: mmap.mmap) -> None:
-    """Point ``mapping``'s pages at private anonymous memory, in place.
-
-    Views an engine kept (memoryviews, numpy arrays over them) stay valid
-    Python objects, but what is written through them lands in memory nobody
-    reads: never in the pool slot, which may already carry another request.
-    ``MAP_FIXED`` replaces the shared pages atomically, with no window in
-    which the address is unmapped.
-    """
-    if mapping.closed:
-        return
-    length = len(mapping)
-    anchor = (ctypes.c_char * length).from_buffer(mapping)
-    address = ctypes.addressof(anchor)
-    del anchor  # no export of ours may outlive this call
-    result = _libc.mmap(ctypes.c_void_p(address), ctypes.c_size_t(length),
-                        mmap.PROT_READ | mmap.PROT_WRITE,
-                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
-    if result is None or result == _MAP_FAILED or result != address:
-        raise OSError(ctypes.get_errno(), "mmap(MAP_FIXED) failed retiring a staging view")
-    # Close it now if nobody holds a view; otherwise the last view's end does.
-    with contextlib.suppress(BufferError):
-        mapping.close()
-
-
-_MAP_FIXED = 0x10  # <sys/mman.h>; not exposed by the mmap module
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
 
 
 @dataclass(frozen=True)

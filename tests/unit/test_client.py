@@ -19,6 +19,7 @@ from kvwired.errors import DaemonUnavailable, DeadlineExceeded, UsageError
 from kvwired.layout import RequestShape
 from kvwired.protocol import SENDER_LOCAL, Failed, Message
 from kvwired.protocol import sender_local as prefill_api
+from kvwired.slot_maps import SlotMaps
 
 from ..conftest import LocalDaemons
 
@@ -29,6 +30,7 @@ def _client() -> tuple[SenderClient, list[Message]]:
     sent: list[Message] = []
     client.conn.fd = os.memfd_create("staging")
     os.ftruncate(client.conn.fd, 1 << 20)
+    client.conn.slot_maps = SlotMaps(client.conn.fd)
     client.conn.send = sent.append  # type: ignore[method-assign,assignment]
     return client, sent
 

@@ -35,7 +35,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.receiver.*", "kvwired.sender",
                 "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
-    "client": ("kvwired.client",),
+    "client": ("kvwired.client", "kvwired.slot_maps"),
     "wiring": ("kvwired.cli", "kvwired.__main__"),
     "kvctl": ("kvctl", "kvctl.*"),
     "connector": ("kvwire_vllm", "kvwire_vllm.*"),

@@ -114,7 +114,9 @@ async def test_a_view_kept_after_finish_cannot_reach_a_later_push(
         await until(lambda: local.sender.staging.used_bytes == 0, what="staging back")
         expected = _pattern(2)
         second = await engine.open("second", "decode", SHAPE)
-        assert second._mapping is not first._mapping
+        assert second._slot.mapping is not first._slot.mapping
+        # The first push's pages were parked and carried the second (kvwired.slot_maps).
+        assert engine.conn.slot_maps is not None and engine.conn.slot_maps.reused == 1
         for layer in range(SHAPE.layers):
             offset, length = SHAPE.layer_span(layer)
             second.layer(layer)[:] = expected[offset : offset + length]
