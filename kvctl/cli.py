@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "vllm: vLLM prefill and decode servers through kvwire and the proxy, "
                       "against one engine (needs make vllm-env)")
     demo.add_argument("--repeat", type=int, default=3, help="netns: pushes per granularity")
+    demo.add_argument("--pairs", type=int, default=7,
+                      help="netns: pairs of a push and a plain loop round per granularity")
     demo.add_argument("--full", action="store_true",
                       help="lab: also the ping-pong and ib_write_lat beyond 8 MiB (48 MiB: "
                       "about three minutes more)")
@@ -225,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         from .netns_demo import netns_demo
 
-        asyncio.run(netns_demo(args.repeat))
+        asyncio.run(netns_demo(args.repeat, pairs=args.pairs))
         return 0
     return 1
 
