@@ -61,3 +61,33 @@ def speedup_text(summary: dict[str, Any]) -> str:
     peak = ratio_spread({"speedup": summary["peak_speedup"],
                          "speedup_spread": summary.get("peak_speedup_spread")}, "speedup")
     return times(peak).removeprefix("x")
+
+
+# The sizes the sender's CPU per write is quoted at: a token of a layer, a
+# token, a block of a few hundred tokens, a layer.
+CPU_SIZES = (512, 12 << 10, 512 << 10, 2 << 20)
+
+
+def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The sender's CPU per write at the quoted sizes, against ib_write_bw's where
+    it ran, and what one core could drive: the lines ``make demo`` ends with."""
+    quoted = [r for r in rows if r["size"] in CPU_SIZES and "stream_cpu_user_us_per_write" in r]
+    if not quoted:
+        return []
+    lines = []
+    if any("perftest_cpu_user_us_per_write" in r for r in quoted):
+        said = [f"{format_size(r['size'])} {r['stream_cpu_user_us_per_write']:.2f} vs "
+                f"{_figure(r.get('perftest_cpu_user_us_per_write'), '.2f')} µs, "
+                f"x{_figure(r.get('cpu_ratio'), '.2f')} per GiB" for r in quoted]
+        lines.append("sender CPU, user time per write, kvwire vs ib_write_bw: "
+                     + "; ".join(said))
+    counted = ("user and system time" if any(r.get("stream_cpu_counts_kernel") for r in quoted)
+               else "user time")
+    lines.append(f"one core's {counted} could post: " + ", ".join(
+        f"{format_size(r['size'])} {_figure(r['stream_cpu_one_core_gbps'], '.1f')} Gb/s"
+        for r in quoted))
+    return lines
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

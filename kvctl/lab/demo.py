@@ -31,7 +31,7 @@ from typing import TextIO
 
 from kvwired.units import format_clock, format_size
 
-from ..figures import NOISE_NOTE, knee_certainty, ratio_spread, speedup_text, times
+from ..figures import NOISE_NOTE, cpu_lines, knee_certainty, ratio_spread, speedup_text, times
 from ..progress import BARS_VARIABLE
 from . import machine
 from .daemons import DECODE_ADDRESS, ServiceDaemon, receiver_config, sender_config
@@ -202,6 +202,7 @@ def _summary(results: Path, seconds: float) -> str:
     lines += said
     if any("within the spread" in line for line in said):
         lines.append(NOISE_NOTE)
+    lines += cpu_lines(sweep["rows"])
     if "deployment_side" in o:
         lines.append(f"at {LAYER_COMPUTE} compute per layer this link is {o['deployment_side']}: "
                      f"{o['deployment_meaning']}")

@@ -15,7 +15,7 @@ from kvwired.protocol import sender_local as prefill_api
 from kvwired.units import format_size
 
 from .. import plots, table
-from ..figures import NOISE_NOTE, knee_certainty, ratio_spread, times, with_spread
+from ..figures import NOISE_NOTE, cpu_lines, knee_certainty, ratio_spread, times, with_spread
 from ..progress import PhaseProgress
 from . import results
 
@@ -119,6 +119,8 @@ def render(run: SweepRun) -> str:
         body.append(line)
     lines = ["chunk-sweep: half round trip (WRITE_WITH_IMM ping-pong), streaming writes, "
              "and the 48 MiB cache delivered at each size", table.render(headers, body)]
+    if any("stream_cpu_user_us_per_write" in r for r in run.rows):
+        lines += ["", render_cpu(run.rows), ""]
     summary = run.summary
     if summary is not None:
         lines.append(f"transport {summary.get('transport')}, sender {summary['sender']} -> "
@@ -145,10 +147,40 @@ def render(run: SweepRun) -> str:
                      "lowest\N{EN DASH}highest): " + "; ".join(said))
     if any("within the spread" in text for text in said):
         lines.append(NOISE_NOTE)
+    lines += cpu_lines(run.rows)
     if run.error is not None:
         lines.append(f"INCOMPLETE: {run.error.message} ({len(run.rows)} of "
                      f"{len(run.params.get('sizes') or []) or '?'} sizes measured)")
     return "\n".join(lines)
+
+
+CPU_NOTE = ("user time is what a real NIC leaves to the host (posting and reaping); over "
+            "verbs the system time is\nthe kernel's emulation of the wire (rdma_rxe), which "
+            "a NIC does in hardware, and 'one core' (the rate\none core could post these "
+            "writes at) counts user time only; over TCP the kernel's time is the\n"
+            "transport's own and counts too. perftest busy-polls, so its CPU is its wall time.")
+
+
+def render_cpu(rows: list[dict[str, Any]]) -> str:
+    """The sender's CPU per streamed write, beside ib_write_bw's where it ran."""
+    perftest = any("perftest_cpu_user_us_per_write" in r for r in rows)
+    headers = ["size", "user µs/write", "sys µs/write", "user s/GiB", "one core Gb/s"]
+    if perftest:
+        headers += ["pt user µs/write", "pt user s/GiB", "s/GiB xpt"]
+    body = []
+    for r in rows:
+        line: list[object] = [
+            format_size(r["size"]), _number(r["stream_cpu_user_us_per_write"], ".2f"),
+            _number(r["stream_cpu_system_us_per_write"], ".2f"),
+            _number(r["stream_cpu_user_s_per_gib"], ".3f"),
+            _number(r["stream_cpu_one_core_gbps"], ".1f")]
+        if perftest:
+            line += [_number(r.get("perftest_cpu_user_us_per_write"), ".2f"),
+                     _number(r.get("perftest_cpu_user_s_per_gib"), ".3f"),
+                     _times(r.get("cpu_ratio"))]
+        body.append(line)
+    return "\n".join(["the sender's CPU per streamed write (median of rounds):",
+                      table.render(headers, body), CPU_NOTE])
 
 
 def _times(value: float | None) -> str:

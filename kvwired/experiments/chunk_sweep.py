@@ -39,7 +39,7 @@ from ..protocol import sender_local as local
 from ..rdma import pick_gid
 from ..transport.base import DataChannel
 from ..units import format_size
-from . import baseline, perftest, socket_loop
+from . import baseline, cpu, perftest, socket_loop
 from .echo import EchoInitiator
 from .host import PeerHandle, Report, SenderHost
 from .spec import (
@@ -158,8 +158,11 @@ class ChunkSweep:
 
     async def _latency(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
-        rtts = await self._pings(link, echo, index, size, self.params.pings(size), progress)
-        return _latency_row(rtts)
+        pings = self.params.pings(size)
+        started = cpu.own()
+        rtts = await self._pings(link, echo, index, size, pings, progress)
+        cost = cpu.WriteCost(size, pings + ping_warmup(pings), cpu.own() - started)
+        return {**_latency_row(rtts), "lat_cpu_user_us_per_rtt": cost.user_us_per_write}
 
     async def _pings(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                      pings: int, progress: _Progress) -> list[float]:
@@ -191,11 +194,19 @@ class ChunkSweep:
         round_p50s: list[float] = []
         figures: list[perftest.LatencyFigures] = []
         ratios: list[float] = []
+        # A round trip's CPU (one write each way), ours and ib_write_lat's.
+        costs: list[cpu.WriteCost] = []
+        their_costs: list[cpu.WriteCost] = []
         for n in range(ROUNDS):
+            started = cpu.own()
             ours = await self._pings(link, echo, index, size, per_round, progress)
+            costs.append(cpu.WriteCost(size, per_round + ping_warmup(per_round),
+                                       cpu.own() - started))
             progress(f"perftest latency {format_size(size)}", n, ROUNDS, force=True)
-            out = await self._perftest_pair(link, "ib_write_lat", size,
-                                            max(PERFTEST_MIN_ITERS, per_round))
+            iters = max(PERFTEST_MIN_ITERS, per_round)
+            started = cpu.children()
+            out = await self._perftest_pair(link, "ib_write_lat", size, iters)
+            their_costs.append(cpu.WriteCost(size, iters, cpu.children() - started))
             progress(f"perftest latency {format_size(size)}", n + 1, ROUNDS, force=True)
             theirs = perftest.parse_latency(out, size)
             rtts += ours
@@ -211,7 +222,11 @@ class ChunkSweep:
                 "perftest_lat_p999_us": statistics.median(f.p999_us for f in figures),
                 "perftest_lat_rounds_us": [f.typical_us for f in figures],
                 "latency_round_ratios": ratios,
-                "latency_ratio": statistics.median(ratios) if ratios else None}
+                "latency_ratio": statistics.median(ratios) if ratios else None,
+                "lat_cpu_user_us_per_rtt": statistics.median(
+                    c.user_us_per_write for c in costs),
+                "perftest_lat_cpu_user_us_per_rtt": statistics.median(
+                    c.user_us_per_write for c in their_costs)}
 
     async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
@@ -225,17 +240,24 @@ class ChunkSweep:
         count = self.params.stream_writes_per_round(size)
         phase = f"stream {format_size(size)}"
         seconds: list[float] = []
+        costs: list[cpu.WriteCost] = []
         theirs: list[perftest.BandwidthFigures] = []
+        their_costs: list[cpu.WriteCost] = []
         for n in range(ROUNDS):
             progress(phase, n * count, count * ROUNDS, force=True)
 
             def counted(done: int, before: int = n * count) -> None:
                 progress(phase, before + done, count * ROUNDS)  # the rounds' writes together
 
+            started = cpu.own()
             seconds.append(await echo.stream(self._channel(link, echo), size, count, counted))
+            costs.append(cpu.WriteCost(size, count, cpu.own() - started,
+                                       counts_kernel=self.daemon.transport.name == "tcp"))
             progress(phase, (n + 1) * count, count * ROUNDS, force=True)
             if self.params.baseline == "perftest" and self.params.perftest_after_round(size, n):
-                theirs.append(await self._perftest_bandwidth(link, size, count, progress))
+                bandwidth, cost = await self._perftest_bandwidth(link, size, count, progress)
+                theirs.append(bandwidth)
+                their_costs.append(cost)
         total = count * ROUNDS
         elapsed = sum(seconds)
         rounds_gbps = [analysis.gbps(count * size, s) for s in seconds]
@@ -245,7 +267,7 @@ class ChunkSweep:
             "stream_writes": total, "stream_bytes": total * size, "stream_seconds": elapsed,
             "stream_gbps": statistics.median(rounds_gbps),
             "stream_writes_per_s": count / median if median else 0.0,
-            "stream_rounds_gbps": rounds_gbps}
+            "stream_rounds_gbps": rounds_gbps, **cpu.figures("stream_cpu", costs)}
         if theirs:
             # Each round against the perftest run beside it, or all against the one run.
             beside = theirs if len(theirs) == len(rounds_gbps) else theirs * len(rounds_gbps)
@@ -256,6 +278,16 @@ class ChunkSweep:
                        perftest_rounds_gbps=[bw.gbps for bw in theirs],
                        bandwidth_round_ratios=ratios,
                        bandwidth_ratio=statistics.median(ratios) if ratios else None)
+            # CPU per GiB, each round against the perftest run beside it too.
+            their_cpu = (their_costs if len(their_costs) == len(costs)
+                         else their_costs * len(costs))
+            cpu_ratios = [r for ours_cost, their_cost in zip(costs, their_cpu, strict=True)
+                          if (r := analysis.ratio(ours_cost.user_s_per_gib,
+                                                  their_cost.user_s_per_gib or None))
+                          is not None]
+            row.update(cpu.figures("perftest_cpu", their_costs),
+                       cpu_round_ratios=cpu_ratios,
+                       cpu_ratio=statistics.median(cpu_ratios) if cpu_ratios else None)
         return row
 
     async def _deliver(self, link: PeerHandle, size: int,
@@ -271,14 +303,18 @@ class ChunkSweep:
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    async def _perftest_bandwidth(self, link: PeerHandle, size: int, writes: int,
-                                  progress: _Progress) -> perftest.BandwidthFigures:
+    async def _perftest_bandwidth(
+            self, link: PeerHandle, size: int, writes: int,
+            progress: _Progress) -> tuple[perftest.BandwidthFigures, cpu.WriteCost]:
+        """One ib_write_bw run: its figures, and the CPU its client spent."""
         phase = f"perftest bandwidth {format_size(size)}"
         progress(phase, 0, 1, force=True)
-        out = await self._perftest_pair(link, "ib_write_bw", size,
-                                        max(PERFTEST_MIN_ITERS, writes))
+        iters = max(PERFTEST_MIN_ITERS, writes)
+        started = cpu.children()
+        out = await self._perftest_pair(link, "ib_write_bw", size, iters)
+        cost = cpu.WriteCost(size, iters, cpu.children() - started)
         progress(phase, 1, 1)
-        return perftest.parse_bandwidth(out, size)
+        return perftest.parse_bandwidth(out, size), cost
 
     async def _against_socket_loop(self, link: PeerHandle, size: int,
                                    progress: _Progress) -> dict[str, Any]:

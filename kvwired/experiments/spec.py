@@ -15,8 +15,10 @@ from ..units import format_size, parse_size
 from .plan import PlannedPhase, merged
 
 MiB = 1 << 20
-DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, MiB, 2 * MiB,
-                 8 * MiB, 48 * MiB)
+# 512 B a token of a layer, 12 KiB a token, 2 MiB a layer, 48 MiB the cache;
+# 512 KiB a block of a few hundred tokens (where the CPU per write is read too).
+DEFAULT_SIZES = (512, 2 << 10, 8 << 10, 12 << 10, 64 << 10, 256 << 10, 512 << 10, MiB,
+                 2 * MiB, 8 * MiB, 48 * MiB)
 PERFTEST_TRIES = 3
 # perftest: ib_write_lat/ib_write_bw; socket: a plain socket loop moving the
 # 48 MiB cache at each size, against which the delivery is compared.

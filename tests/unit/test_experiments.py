@@ -50,6 +50,16 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
         # The whole reference cache went through the request path at this size.
         assert row["deliver_writes"] == (48 << 20) // row["size"]
         assert row["deliver_gbps"] > 0
+        # The sender's CPU per streamed write and per round trip, from the
+        # daemon's own clock (here the test's process: daemons run in it).
+        assert row["stream_cpu_user_us_per_write"] >= 0
+        assert row["stream_cpu_system_us_per_write"] >= 0
+        assert len(row["stream_cpu_rounds_user_s_per_gib"]) == ROUNDS
+        assert row["stream_cpu_user_s_per_gib"] == statistics.median(
+            row["stream_cpu_rounds_user_s_per_gib"])
+        if row["stream_cpu_one_core_gbps"] is not None:
+            assert row["stream_cpu_one_core_gbps"] > 0
+        assert row["lat_cpu_user_us_per_rtt"] >= 0
     summary = run.summary
     assert summary is not None
     assert summary["transport"] == "tcp" and summary["peer"] == "decode"
@@ -80,6 +90,8 @@ async def test_chunk_sweep_measures_every_size_and_gives_a_knee(roomy: LocalDaem
     assert all(not getattr(service, "echoes", {}) for service in roomy.receiver.services)
     text = chunk_sweep.render(run)
     assert "knee: " in text and "recommended streaming chunk" in text
+    assert "the sender's CPU per streamed write" in text and "user µs/write" in text
+    assert "one core's user and system time could post: 512 B " in text
 
 
 async def test_sweep_outputs_csv_json_and_plots(roomy: LocalDaemons, tmp_path: Path) -> None:
