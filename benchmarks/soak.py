@@ -15,7 +15,10 @@ their metrics endpoints their live asyncio tasks
 - ``tls-good``: from the prefill host, a TLS handshake on the receiver's
   control port with the sender's own certificate, then the connection closed;
 - ``tls-refused``: plaintext on the receiver's control port, refused at the
-  handshake.
+  handshake;
+- ``tls-idle``: connections to the receiver's control port that say nothing,
+  200 open at once, each closed by the receiver when its handshake time is up
+  (``handshake_timeout``, 0.5 s here): the reconnect storm's silent half.
 
 Per kind and figure, the table gives the value after the first checkpoint
 (the warm-up: the first of ``--checkpoints`` parts), at the end, and the
@@ -52,16 +55,33 @@ from kvwired.addresses import DEFAULT_CONTROL_PORT, RECEIVER_METRICS_PORT, SENDE
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import KVLayout
 
-KINDS = ("push", "engine", "tls-good", "tls-refused")
+KINDS = ("push", "engine", "tls-good", "tls-refused", "tls-idle")
+IDLE_AT_ONCE = 200
+HANDSHAKE_TIMEOUT = 0.5
 PUSH_LAYOUT = KVLayout(layers=2, tokens=16)
 
 # Runs in the prefill namespace: ``count`` connections to the receiver's
 # control port, one at a time, each closed once the receiver has answered
-# (its TLS handshake, or its refusal).
+# (its TLS handshake, or its refusal); or, silent, AT_ONCE at a time, each
+# left until the receiver closes it.
 KNOCKER = """
 import socket, ssl, sys
-host, port, count, kind, tls = sys.argv[1:6]
-port, count = int(port), int(count)
+host, port, count, kind, tls, at_once = sys.argv[1:7]
+port, count, at_once = int(port), int(count), int(at_once)
+if kind == "tls-idle":
+    left = count
+    while left:
+        batch = [socket.create_connection((host, port), timeout=30)
+                 for _ in range(min(at_once, left))]
+        for sock in batch:
+            try:
+                while sock.recv(4096):
+                    pass  # nothing is said, so the receiver has nothing to answer
+            except OSError:
+                pass  # closed by the receiver: what is waited for
+            sock.close()
+        left -= len(batch)
+    sys.exit(0)
 context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 context.check_hostname = False  # the receiver is known by its name, not this address
 context.load_verify_locations(tls + "/ca.crt")
@@ -122,7 +142,8 @@ async def soak(count: int, checkpoints: int, kinds: list[str]) -> list[KindRun]:
     runs = []
     data = np.random.default_rng(7).integers(0, 256, PUSH_LAYOUT.total_bytes, dtype=np.uint8)
     with tempfile.TemporaryDirectory(prefix="kvwire-soak-") as tmp, \
-            two_hosts(Path(tmp), tag=f"s{uuid.uuid4().hex[:6]}") as (pair, rx, tx):
+            two_hosts(Path(tmp), receiver={"handshake_timeout": HANDSHAKE_TIMEOUT},
+                      tag=f"s{uuid.uuid4().hex[:6]}") as (pair, rx, tx):
         daemons = {"receiver": (rx, RECEIVER_METRICS_PORT), "sender": (tx, SENDER_METRICS_PORT)}
         prefill = await SenderClient.connect(tx.socket)
         decode = await ReceiverClient.connect(rx.socket)
@@ -146,7 +167,8 @@ async def soak(count: int, checkpoints: int, kinds: list[str]) -> list[KindRun]:
             async def run(n: int) -> None:
                 command = pair.argv(pair.prefill, [
                     sys.executable, "-c", KNOCKER, pair.decode.address,
-                    str(DEFAULT_CONTROL_PORT), str(n), kind, str(tx.config["tls_dir"])])
+                    str(DEFAULT_CONTROL_PORT), str(n), kind, str(tx.config["tls_dir"]),
+                    str(IDLE_AT_ONCE)])
                 done = await asyncio.to_thread(subprocess.run, command, capture_output=True,
                                                text=True, timeout=600)
                 if done.returncode != 0:
@@ -154,7 +176,7 @@ async def soak(count: int, checkpoints: int, kinds: list[str]) -> list[KindRun]:
             return run
 
         work = {"push": push, "engine": engines, "tls-good": knocks("tls-good"),
-                "tls-refused": knocks("tls-refused")}
+                "tls-refused": knocks("tls-refused"), "tls-idle": knocks("tls-idle")}
         try:
             for kind in kinds:
                 run = KindRun(kind)

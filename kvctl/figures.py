@@ -68,9 +68,11 @@ def speedup_text(summary: dict[str, Any]) -> str:
 CPU_SIZES = (512, 12 << 10, 512 << 10, 2 << 20)
 
 
-def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
+def cpu_lines(rows: list[dict[str, Any]], slowdown: float | None = None) -> list[str]:
     """The sender's CPU per write at the quoted sizes, against ib_write_bw's where
-    it ran, and what one core could drive: the lines ``make demo`` ends with."""
+    it ran, and what one core could drive: the lines ``make demo`` ends with.
+    ``slowdown``: how many times slower the sender's core ran Python than this
+    host's (the lab's emulated nodes), to read user time as one of these cores."""
     quoted = [r for r in rows if r["size"] in CPU_SIZES and "stream_cpu_user_us_per_write" in r]
     if not quoted:
         return []
@@ -78,15 +80,25 @@ def cpu_lines(rows: list[dict[str, Any]]) -> list[str]:
     if any("perftest_cpu_user_us_per_write" in r for r in quoted):
         said = [f"{format_size(r['size'])} {r['stream_cpu_user_us_per_write']:.2f} vs "
                 f"{_figure(r.get('perftest_cpu_user_us_per_write'), '.2f')} µs, "
-                f"x{_figure(r.get('cpu_ratio'), '.2f')} per GiB" for r in quoted]
-        lines.append("sender CPU, user time per write, kvwire vs ib_write_bw: "
+                f"x{_figure(r.get('cpu_ratio'), '.2f')}" for r in quoted]
+        lines.append("sender CPU per write, kvwire vs ib_write_bw (which spins a core): "
                      + "; ".join(said))
     counted = ("user and system time" if any(r.get("stream_cpu_counts_kernel") for r in quoted)
                else "user time")
     lines.append(f"one core's {counted} could post: " + ", ".join(
         f"{format_size(r['size'])} {_figure(r['stream_cpu_one_core_gbps'], '.1f')} Gb/s"
         for r in quoted))
+    if slowdown is not None and counted == "user time":
+        lines.append(f"... on one of this host's cores (the node's emulated core ran the same "
+                     f"Python {slowdown:.1f}x slower): " + ", ".join(
+                         f"{format_size(r['size'])} "
+                         f"{_figure(_scaled(r['stream_cpu_one_core_gbps'], slowdown), '.1f')} Gb/s"
+                         for r in quoted))
     return lines
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def _figure(value: float | None, spec: str) -> str:

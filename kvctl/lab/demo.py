@@ -33,7 +33,7 @@ from kvwired.units import format_clock, format_size
 
 from ..figures import NOISE_NOTE, cpu_lines, knee_certainty, ratio_spread, speedup_text, times
 from ..progress import BARS_VARIABLE
-from . import machine
+from . import cpu_speed, machine
 from .daemons import DECODE_ADDRESS, ServiceDaemon, receiver_config, sender_config
 from .machine import SHARED_DIR, LabError, LabState, exec_in
 
@@ -126,6 +126,10 @@ def lab_demo(results: Path = Path("results"), out: TextIO = sys.stdout,
             sections.append(run_step(state, "kvctl run overlap", _kvctl(
                 "run", "overlap", "--socket", tx.socket, *OVERLAP_ARGS, *out_flag), out))
         sections.append(_tcp_against_socket_loop(state, node_results / "tcp", out))
+        # To read the nodes' CPU per write as one of this host's cores.
+        slowdown = cpu_speed.slowdown(state, "prefill")
+        (node_results / "cpu-speed.json").write_text(json.dumps(
+            {"node": "prefill", "slowdown": slowdown, "loop": cpu_speed.LOOP}) + "\n")
         # Before the lab goes down: its shared directory goes with it.
         results.mkdir(parents=True, exist_ok=True)
         shutil.copytree(node_results, results, dirs_exist_ok=True)
@@ -202,7 +206,9 @@ def _summary(results: Path, seconds: float) -> str:
     lines += said
     if any("within the spread" in line for line in said):
         lines.append(NOISE_NOTE)
-    lines += cpu_lines(sweep["rows"])
+    speed = results / "cpu-speed.json"
+    slowdown = json.loads(speed.read_text())["slowdown"] if speed.exists() else None
+    lines += cpu_lines(sweep["rows"], slowdown)
     if "deployment_side" in o:
         lines.append(f"at {LAYER_COMPUTE} compute per layer this link is {o['deployment_side']}: "
                      f"{o['deployment_meaning']}")

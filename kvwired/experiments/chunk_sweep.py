@@ -194,19 +194,16 @@ class ChunkSweep:
         round_p50s: list[float] = []
         figures: list[perftest.LatencyFigures] = []
         ratios: list[float] = []
-        # A round trip's CPU (one write each way), ours and ib_write_lat's.
+        # A round trip's CPU (one write each way); ib_write_lat spins through it.
         costs: list[cpu.WriteCost] = []
-        their_costs: list[cpu.WriteCost] = []
         for n in range(ROUNDS):
             started = cpu.own()
             ours = await self._pings(link, echo, index, size, per_round, progress)
             costs.append(cpu.WriteCost(size, per_round + ping_warmup(per_round),
                                        cpu.own() - started))
             progress(f"perftest latency {format_size(size)}", n, ROUNDS, force=True)
-            iters = max(PERFTEST_MIN_ITERS, per_round)
-            started = cpu.children()
-            out = await self._perftest_pair(link, "ib_write_lat", size, iters)
-            their_costs.append(cpu.WriteCost(size, iters, cpu.children() - started))
+            out = await self._perftest_pair(link, "ib_write_lat", size,
+                                            max(PERFTEST_MIN_ITERS, per_round))
             progress(f"perftest latency {format_size(size)}", n + 1, ROUNDS, force=True)
             theirs = perftest.parse_latency(out, size)
             rtts += ours
@@ -225,8 +222,8 @@ class ChunkSweep:
                 "latency_ratio": statistics.median(ratios) if ratios else None,
                 "lat_cpu_user_us_per_rtt": statistics.median(
                     c.user_us_per_write for c in costs),
-                "perftest_lat_cpu_user_us_per_rtt": statistics.median(
-                    c.user_us_per_write for c in their_costs)}
+                "perftest_lat_cpu_user_us_per_rtt": 2 * statistics.median(
+                    f.typical_us for f in figures)}
 
     async def _stream(self, link: PeerHandle, echo: EchoInitiator, size: int,
                       progress: _Progress) -> dict[str, Any]:
@@ -242,7 +239,6 @@ class ChunkSweep:
         seconds: list[float] = []
         costs: list[cpu.WriteCost] = []
         theirs: list[perftest.BandwidthFigures] = []
-        their_costs: list[cpu.WriteCost] = []
         for n in range(ROUNDS):
             progress(phase, n * count, count * ROUNDS, force=True)
 
@@ -255,9 +251,7 @@ class ChunkSweep:
                                        counts_kernel=self.daemon.transport.name == "tcp"))
             progress(phase, (n + 1) * count, count * ROUNDS, force=True)
             if self.params.baseline == "perftest" and self.params.perftest_after_round(size, n):
-                bandwidth, cost = await self._perftest_bandwidth(link, size, count, progress)
-                theirs.append(bandwidth)
-                their_costs.append(cost)
+                theirs.append(await self._perftest_bandwidth(link, size, count, progress))
         total = count * ROUNDS
         elapsed = sum(seconds)
         rounds_gbps = [analysis.gbps(count * size, s) for s in seconds]
@@ -279,13 +273,13 @@ class ChunkSweep:
                        bandwidth_round_ratios=ratios,
                        bandwidth_ratio=statistics.median(ratios) if ratios else None)
             # CPU per GiB, each round against the perftest run beside it too.
-            their_cpu = (their_costs if len(their_costs) == len(costs)
-                         else their_costs * len(costs))
-            cpu_ratios = [r for ours_cost, their_cost in zip(costs, their_cpu, strict=True)
-                          if (r := analysis.ratio(ours_cost.user_s_per_gib,
-                                                  their_cost.user_s_per_gib or None))
-                          is not None]
-            row.update(cpu.figures("perftest_cpu", their_costs),
+            # perftest spins a core while it measures: its CPU is its time.
+            cpu_ratios = []
+            for ours_cost, bw in zip(costs, beside, strict=True):
+                if (spun := cpu.busy_polled(size, bw.mpps * 1e6)) is not None:
+                    cpu_ratios.append(ours_cost.counted / ours_cost.writes / spun.counted)
+            their_costs = [c for bw in theirs if (c := cpu.busy_polled(size, bw.mpps * 1e6))]
+            row.update(cpu.figures("perftest_cpu", their_costs) if their_costs else {},
                        cpu_round_ratios=cpu_ratios,
                        cpu_ratio=statistics.median(cpu_ratios) if cpu_ratios else None)
         return row
@@ -303,18 +297,14 @@ class ChunkSweep:
                 "deliver_writes": int(timings["writes"]),
                 "deliver_gbps": analysis.gbps(layout.total_bytes, timings["total_seconds"])}
 
-    async def _perftest_bandwidth(
-            self, link: PeerHandle, size: int, writes: int,
-            progress: _Progress) -> tuple[perftest.BandwidthFigures, cpu.WriteCost]:
-        """One ib_write_bw run: its figures, and the CPU its client spent."""
+    async def _perftest_bandwidth(self, link: PeerHandle, size: int, writes: int,
+                                  progress: _Progress) -> perftest.BandwidthFigures:
         phase = f"perftest bandwidth {format_size(size)}"
         progress(phase, 0, 1, force=True)
-        iters = max(PERFTEST_MIN_ITERS, writes)
-        started = cpu.children()
-        out = await self._perftest_pair(link, "ib_write_bw", size, iters)
-        cost = cpu.WriteCost(size, iters, cpu.children() - started)
+        out = await self._perftest_pair(link, "ib_write_bw", size,
+                                        max(PERFTEST_MIN_ITERS, writes))
         progress(phase, 1, 1)
-        return perftest.parse_bandwidth(out, size), cost
+        return perftest.parse_bandwidth(out, size)
 
     async def _against_socket_loop(self, link: PeerHandle, size: int,
                                    progress: _Progress) -> dict[str, Any]:

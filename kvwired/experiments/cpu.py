@@ -11,12 +11,16 @@ is the transport's own work, which a real NIC leaves to the host as well,
 so there both are counted (``counts_kernel``).
 
 The daemon's own time is ``getrusage(RUSAGE_SELF)``, all its threads (the
-experiment runs alone in it). A perftest run's is ``RUSAGE_CHILDREN`` around
-it: every child the daemon reaped meanwhile, which is that run (a retried
-start adds its failed attempt's few milliseconds). Their sum, user and
-system, is exact; the kernel splits it between the two by sampling at each
-timer tick (4 ms at 250 Hz), so a stretch of a few ticks is split roughly,
-and the rounds of a sweep are long enough for their median to settle.
+experiment runs alone in it). Its sum, user and system, is exact; the kernel
+splits it between the two by sampling at each timer tick (4 ms at 250 Hz),
+so a stretch of a few ticks is split roughly, and the rounds of a sweep are
+long enough for their median to settle.
+
+perftest busy-polls its completions, so while it measures, its CPU is its
+wall time: a write costs it one core for ``1 / rate`` (``busy_polled``).
+Its whole run's ``getrusage`` would say more and mean less: on the emulated
+nodes its start-up (devices, queue pairs, the TCP exchange) took more CPU
+than a short run's writes.
 """
 
 from __future__ import annotations
@@ -47,10 +51,6 @@ def own() -> CpuTimes:
     return CpuTimes(usage.ru_utime, usage.ru_stime)
 
 
-def children() -> CpuTimes:
-    """The CPU time of this process's children that have ended and were reaped."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return CpuTimes(usage.ru_utime, usage.ru_stime)
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,14 @@ class WriteCost:
         if self.counted <= 0:
             return None
         return self.writes * self.size * 8 / self.counted / 1e9
+
+
+def busy_polled(size: int, writes_per_s: float) -> WriteCost | None:
+    """The cost of a write to a tool that spins a core on its completions, at
+    the rate it reported; None if it reported none."""
+    if writes_per_s <= 0:
+        return None
+    return WriteCost(size, 1, CpuTimes(1 / writes_per_s, 0.0))
 
 
 def figures(prefix: str, costs: Sequence[WriteCost]) -> dict[str, Any]:

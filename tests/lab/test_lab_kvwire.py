@@ -430,6 +430,20 @@ def test_kvctl_run_chunk_sweep_in_the_lab(daemons: Daemons) -> None:
                 low, high = ratio[f"{name}_spread"]
                 assert low <= ratio[name] <= high
         assert "lat xpt" in stdout
+        # The sender's CPU per write, beside ib_write_bw spinning a core on the
+        # same writes: one over its write rate, which it reported.
+        for r in rows:
+            assert r["perftest_cpu_user_us_per_write"] == pytest.approx(
+                1e6 / r["perftest_writes_per_s"])
+            assert r["cpu_ratio"] == statistics.median(r["cpu_round_ratios"])
+            assert not r["stream_cpu_counts_kernel"]  # rdma_rxe's kernel time is the wire's
+        assert "CPU xpt" in stdout
+    else:
+        assert all(r["stream_cpu_counts_kernel"] for r in rows)  # TCP's kernel is its own
+    assert "the sender's CPU per streamed write" in stdout and "one core Gb/s" in stdout
+    for r in rows:
+        assert r["stream_cpu_user_us_per_write"] + r["stream_cpu_system_us_per_write"] > 0
+        assert r["lat_cpu_user_us_per_rtt"] >= 0
     for png in ("chunk-sweep-latency.png", "chunk-sweep-bandwidth.png"):
         assert (out / png).stat().st_size > 10_000
 
