@@ -79,20 +79,20 @@ def cpu_lines(rows: list[dict[str, Any]], slowdown: float | None = None) -> list
     lines = []
     if any("perftest_cpu_user_us_per_write" in r for r in quoted):
         said = [f"{format_size(r['size'])} {r['stream_cpu_user_us_per_write']:.2f} vs "
-                f"{_figure(r.get('perftest_cpu_user_us_per_write'), '.2f')} µs, "
-                f"x{_figure(r.get('cpu_ratio'), '.2f')}" for r in quoted]
+                f"{number(r.get('perftest_cpu_user_us_per_write'), '.2f')} µs, "
+                f"x{number(r.get('cpu_ratio'), '.2f')}" for r in quoted]
         lines.append("sender CPU per write, kvwire vs ib_write_bw (which spins a core): "
                      + "; ".join(said))
     counted = ("user and system time" if any(r.get("stream_cpu_counts_kernel") for r in quoted)
                else "user time")
     lines.append(f"one core's {counted} could post: " + ", ".join(
-        f"{format_size(r['size'])} {_figure(r['stream_cpu_one_core_gbps'], '.1f')} Gb/s"
+        f"{format_size(r['size'])} {number(r['stream_cpu_one_core_gbps'], '.1f')} Gb/s"
         for r in quoted))
     if slowdown is not None and counted == "user time":
         lines.append(f"... on one of this host's cores (the node's emulated core ran the same "
                      f"Python {slowdown:.1f}x slower): " + ", ".join(
                          f"{format_size(r['size'])} "
-                         f"{_figure(_scaled(r['stream_cpu_one_core_gbps'], slowdown), '.1f')} Gb/s"
+                         f"{number(_scaled(r['stream_cpu_one_core_gbps'], slowdown), '.1f')} Gb/s"
                          for r in quoted))
     return lines
 
@@ -101,5 +101,6 @@ def _scaled(value: float | None, factor: float) -> float | None:
     return None if value is None else value * factor
 
 
-def _figure(value: float | None, spec: str) -> str:
+def number(value: float | None, spec: str) -> str:
+    """A figure formatted, or "-" where there is none."""
     return "-" if value is None else format(value, spec)

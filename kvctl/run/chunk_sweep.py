@@ -15,7 +15,15 @@ from kvwired.protocol import sender_local as prefill_api
 from kvwired.units import format_size
 
 from .. import plots, table
-from ..figures import NOISE_NOTE, cpu_lines, knee_certainty, ratio_spread, times, with_spread
+from ..figures import (
+    NOISE_NOTE,
+    cpu_lines,
+    knee_certainty,
+    number,
+    ratio_spread,
+    times,
+    with_spread,
+)
 from ..progress import PhaseProgress
 from . import results
 
@@ -109,11 +117,11 @@ def render(run: SweepRun) -> str:
         line += [f"{r['stream_gbps']:.3f}", f"{r['stream_writes_per_s']:,.0f}",
                  f"{r['deliver_seconds'] * 1e3:.0f}" if "deliver_seconds" in r else "-"]
         if perftest:
-            line += [_number(r.get("perftest_lat_typical_us"), ".1f"),
-                     _number(r.get("perftest_gbps"), ".3f"),
+            line += [number(r.get("perftest_lat_typical_us"), ".1f"),
+                     number(r.get("perftest_gbps"), ".3f"),
                      _times(ratio.get("latency_ratio")), _times(ratio.get("bandwidth_ratio"))]
         if socket:
-            line += [_number(r["socket_seconds"] * 1e3 if "socket_seconds" in r else None,
+            line += [number(r["socket_seconds"] * 1e3 if "socket_seconds" in r else None,
                              ".0f"),
                      _times(ratio.get("delivery_time_ratio"))]
         body.append(line)
@@ -172,13 +180,13 @@ def render_cpu(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         line: list[object] = [
-            format_size(r["size"]), _number(r["stream_cpu_user_us_per_write"], ".2f"),
-            _number(r["stream_cpu_system_us_per_write"], ".2f"),
-            _number(r["stream_cpu_user_s_per_gib"], ".3f"),
-            _number(r["stream_cpu_one_core_gbps"], ".1f")]
+            format_size(r["size"]), number(r["stream_cpu_user_us_per_write"], ".2f"),
+            number(r["stream_cpu_system_us_per_write"], ".2f"),
+            number(r["stream_cpu_user_s_per_gib"], ".3f"),
+            number(r["stream_cpu_one_core_gbps"], ".1f")]
         if perftest:
-            line += [_number(r.get("perftest_cpu_user_us_per_write"), ".2f"),
-                     _number(r.get("perftest_cpu_user_s_per_gib"), ".3f"),
+            line += [number(r.get("perftest_cpu_user_us_per_write"), ".2f"),
+                     number(r.get("perftest_cpu_user_s_per_gib"), ".3f"),
                      _times(r.get("cpu_ratio"))]
         body.append(line)
     return "\n".join(["the sender's CPU per streamed write (median of rounds):",
@@ -187,10 +195,6 @@ def render_cpu(rows: list[dict[str, Any]]) -> str:
 
 def _times(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
-
-
-def _number(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def write_outputs(run: SweepRun, out_dir: Path) -> list[Path]:

@@ -158,16 +158,16 @@ class ChunkSweep:
 
     async def _latency(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
                        progress: _Progress) -> dict[str, Any]:
-        pings = self.params.pings(size)
-        started = cpu.own()
-        rtts = await self._pings(link, echo, index, size, pings, progress)
-        cost = cpu.WriteCost(size, pings + ping_warmup(pings), cpu.own() - started)
+        rtts, cost = await self._pings(link, echo, index, size, self.params.pings(size),
+                                       progress)
         return {**_latency_row(rtts), "lat_cpu_user_us_per_rtt": cost.user_us_per_write}
 
     async def _pings(self, link: PeerHandle, echo: EchoInitiator, index: int, size: int,
-                     pings: int, progress: _Progress) -> list[float]:
-        """``pings`` round trips (after a few unmeasured ones), in seconds."""
+                     pings: int, progress: _Progress) -> tuple[list[float], cpu.WriteCost]:
+        """``pings`` round trips (after a few unmeasured ones), in seconds, and the
+        CPU they all cost (a round trip is a write each way)."""
         warmup = ping_warmup(pings)
+        started = cpu.own()
         phase = f"latency {format_size(size)}"
         progress(phase, 0, pings, force=True)  # a phase is timed from its first report
         rtts = []
@@ -177,7 +177,7 @@ class ChunkSweep:
             if n >= warmup:
                 rtts.append(rtt)
                 progress(phase, len(rtts), pings)
-        return rtts
+        return rtts, cpu.WriteCost(size, warmup + pings, cpu.own() - started)
 
     async def _latency_against_perftest(self, link: PeerHandle, echo: EchoInitiator,
                                         index: int, size: int,
@@ -194,13 +194,11 @@ class ChunkSweep:
         round_p50s: list[float] = []
         figures: list[perftest.LatencyFigures] = []
         ratios: list[float] = []
-        # A round trip's CPU (one write each way); ib_write_lat spins through it.
+        # A round trip's CPU, ours; ib_write_lat spins through each of its own.
         costs: list[cpu.WriteCost] = []
         for n in range(ROUNDS):
-            started = cpu.own()
-            ours = await self._pings(link, echo, index, size, per_round, progress)
-            costs.append(cpu.WriteCost(size, per_round + ping_warmup(per_round),
-                                       cpu.own() - started))
+            ours, cost = await self._pings(link, echo, index, size, per_round, progress)
+            costs.append(cost)
             progress(f"perftest latency {format_size(size)}", n, ROUNDS, force=True)
             out = await self._perftest_pair(link, "ib_write_lat", size,
                                             max(PERFTEST_MIN_ITERS, per_round))

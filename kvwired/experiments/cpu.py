@@ -51,8 +51,6 @@ def own() -> CpuTimes:
     return CpuTimes(usage.ru_utime, usage.ru_stime)
 
 
-
-
 @dataclass(frozen=True)
 class WriteCost:
     """One measured stretch of ``writes`` writes of ``size`` bytes."""
