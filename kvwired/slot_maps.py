@@ -156,6 +156,9 @@ class SlotMaps:
         return SlotMap(target, slot.offset, slot.length)
 
     def close(self) -> None:
+        # A push that ends after this (its connection broke) is retired in
+        # place: nothing would unmap a mapping parked from now on.
+        self._can_move = False
         for parked in self._parked:
             with contextlib.suppress(BufferError):
                 parked.mapping.close()

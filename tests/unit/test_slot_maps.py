@@ -89,6 +89,18 @@ def test_at_most_max_parked_are_kept(pool: tuple[SlotMaps, mmap.mmap]) -> None:
     assert maps.reused == 1
 
 
+def test_a_push_retired_after_close_is_not_parked(pool: tuple[SlotMaps, mmap.mmap]) -> None:
+    maps, whole = pool
+    slot, view = maps.take(3 * PAGE, PAGE)
+    stale = view[:16]
+    view.release()
+    maps.close()  # its connection closed while the push was still open
+    maps.retire(slot)
+    stale[:] = b"\xee" * 16
+    assert whole[3 * PAGE : 3 * PAGE + 16] == bytes(16)
+    assert maps.parked == 0
+
+
 def test_where_pages_cannot_move_each_push_maps_its_slot(
         pool: tuple[SlotMaps, mmap.mmap]) -> None:
     maps, whole = pool
