@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml scripts/install-system-packages.sh
 	scripts/install-system-packages.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,ctl]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,ctl,trace]'
 	touch $@
 
 vllm-env: $(VLLM_STAMP)

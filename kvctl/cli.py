@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .netns_session import add_parser as add_netns_parser
     from .probe import add_parser as add_probe_parser
     from .run.cli import add_parsers as add_run_parsers
+    from .timeline import add_parser as add_timeline_parser
 
     add_run_parsers(commands)
     add_probe_parser(commands)
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_netns_parser(commands)
     add_cluster_parser(commands)
     _add_proxy_parser(commands)
+    add_timeline_parser(commands)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns", "vllm"],
@@ -210,6 +212,10 @@ def _run(args: argparse.Namespace) -> int:
         from .vllm.proxy import main as proxy_main
 
         return proxy_main(args)
+    if args.command == "timeline":
+        from .timeline import main as timeline_main
+
+        return timeline_main(args)
     if args.command == "netns":
         from .netns_session import main as netns_main
 

