@@ -43,6 +43,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvwired import tracing
+
 from . import stats as stats_module
 from .cache import KVCacheBlocks, block_format
 from .describe import describe
@@ -69,6 +71,7 @@ COUNTERS_FOLDER = "KVWIRE_CONNECTOR_COUNTERS"
 @dataclass
 class KvwireMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
+    idle: bool = False  # the step computes no token (vLLM steps it only to poll loads)
 
 
 @dataclass
@@ -104,6 +107,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
                              f"kv_consumer (decode), not {transfer.kv_role!r}")
         self.producing = transfer.kv_role == "kv_producer"
         self.settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
+        # Off unless $KVWIRE_TRACES asks (kvwired.tracing): then the scheduler
+        # and each worker record their part of a traced request.
+        tracing.configure("vllm-prefill" if self.producing else "vllm-decode")
         # Refuses, now, a shape kvwire cannot carry (pipeline stages, Mamba ...).
         device = getattr(vllm_config.device_config, "device_type", None) or "cpu"
         self.engine = describe(vllm_config, kv_cache_config, block_format(str(device)))
@@ -147,7 +153,8 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._consumer_planner is not None:
             return KvwireMetadata(self._consumer_planner.plan(
-                r.req_id for r in scheduler_output.scheduled_new_reqs))
+                r.req_id for r in scheduler_output.scheduled_new_reqs),
+                idle=scheduler_output.total_num_scheduled_tokens == 0)
         assert self._producer_planner is not None
         cached = scheduler_output.scheduled_cached_reqs
         new = [(r.req_id, r.block_ids, r.num_computed_tokens)
@@ -231,6 +238,9 @@ class KvwireConnector(KVConnectorBase_V1, SupportsHMA):
         if self._consumer is None:
             return KVConnectorTransferResults()
         self._consumer.cancel(finished_req_ids)
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KvwireMetadata) and metadata.idle and not finished_req_ids:
+            self._consumer.wait_for_a_load(self.settings.idle_wait)
         finished, failed = self._consumer.take_results()
         return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
 

@@ -42,6 +42,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from kvwired import tracing
 from kvwired.client import LayerLanded, LoopThread, PushOpened, ReceiverClient
 from kvwired.errors import KvwireError
 
@@ -49,6 +50,7 @@ from .blockmap import Gather, TokenMap, plan_gather, regroup, regroup_index
 from .cache import KVCacheBlocks
 from .daemon_link import DaemonLink
 from .describe import HeadPush
+from .loads import EndedLoads
 from .params import ConnectorSettings
 from .scheduling import NULL_BLOCK, LoadPlan, blocks_of, pushed_from
 from .seal import (
@@ -81,15 +83,18 @@ class Consumer:
         self._tasks: dict[str, asyncio.Task[None]] = {}  # touched on the loop only
         self._discards: set[asyncio.Task[None]] = set()  # refused loads' pushes
         self._lock = threading.Lock()
-        self._finished: set[str] = set()
-        self._failed: set[str] = set()
+        self._loads = EndedLoads()
         self._failed_blocks: set[int] = set()
         # Per loaded request, per layer: its kept blocks' ids and loaded bytes,
         # until the step that computes its tail writes them back.
         self._kept: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._restoring: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        # Per load, its part of the request's trace: from the moment it waits
+        # for the push to the moment vLLM is told it ended.
+        self._spans: dict[str, tracing.Span] = {}
 
     def begin_step(self, plans: list[LoadPlan], restores: Iterable[str] = ()) -> None:
+        self._loads.begun(len(plans))
         for plan in plans:
             self.thread.submit(self._run(plan))
         with self._lock:
@@ -126,26 +131,35 @@ class Consumer:
         assert task is not None
         self._tasks[plan.req_id] = task
         started = time.perf_counter()
+        span = tracing.start("kvwire.load", plan.order.trace, {
+            "kvwire.transfer": plan.order.transfer, "kvwire.rank": self.rank,
+            "kvwire.tokens": plan.tokens})
+        with self._lock:
+            self._spans[plan.req_id] = span
+        failed = True
         try:
             try:
-                await self._load(plan)
+                await self._load(plan, span)
             except BaseExceptionGroup as group:  # the first push's failure says why
                 raise _first(group) from group
         except (KvwireError, TimeoutError, asyncio.CancelledError) as exc:
+            tracing.fail(span, type(exc).__name__ if isinstance(exc, asyncio.CancelledError)
+                         else str(exc) or type(exc).__name__)
             self._failed_load(plan, exc)
         except Exception as exc:  # a bug here must not leave the request waiting
             log.exception("kvwire: load of %s broke", plan.order.transfer)
+            tracing.fail(span, repr(exc))
             self._failed_load(plan, exc)
         else:
+            failed = False
             self._keep(plan)
             self.counters.loaded(plan.loaded,
                                  self._bytes(plan), time.perf_counter() - started)
         finally:
             self._tasks.pop(plan.req_id, None)
-            with self._lock:
-                self._finished.add(plan.req_id)
+            self._loads.ended(plan.req_id, failed)
 
-    async def _load(self, plan: LoadPlan) -> None:
+    async def _load(self, plan: LoadPlan, span: tracing.Span) -> None:
         """Each push's layers are checked and copied as they land (while the
         prefill engine still computes the next ones); the load is done once
         every layer of every push is copied and the receiver says each push
@@ -162,7 +176,7 @@ class Consumer:
         client = await self._daemon.client()
         async with asyncio.timeout(plan.order.wait), asyncio.TaskGroup() as group:
             for push in self._pushes(plan):
-                group.create_task(self._load_push(client, plan, push))
+                group.create_task(self._load_push(client, plan, push, span))
 
     def _pushes(self, plan: LoadPlan) -> list[HeadPush]:
         """The pushes of the heads this rank holds, every group's."""
@@ -171,18 +185,24 @@ class Consumer:
                                   self.rank)
 
     async def _load_push(self, client: ReceiverClient, plan: LoadPlan,
-                         push: HeadPush) -> None:
+                         push: HeadPush, span: tracing.Span) -> None:
         copied: set[int] = set()
         source = self.cache.layout  # until the push's open says otherwise
+        last = len(push.group.layer_names) - 1
         try:
             async for event in client.events(push.name, push.readers, opened=True):
                 if isinstance(event, PushOpened):
+                    span.add_event("push opened", {"kvwire.push": push.name})
                     source = self._opened(plan, event)
                 elif isinstance(event, LayerLanded):
+                    if event.layer in (0, last):
+                        span.add_event("first layer landed" if event.layer == 0
+                                       else "last layer landed", {"kvwire.push": push.name})
                     if event.offset is not None:
                         self._copy(plan, push, source, client.view(event), [event.layer],
                                    copied)
                 else:
+                    span.add_event("delivered", {"kvwire.push": push.name})
                     self._copy(plan, push, source, client.view(event),
                                range(len(push.group.layer_names)), copied)
         finally:
@@ -302,7 +322,6 @@ class Consumer:
             log.warning("kvwire: load of %s for request %s failed (%s): %s",
                         plan.order.transfer, plan.req_id, reason, exc or type(exc).__name__)
         with self._lock:
-            self._failed.add(plan.req_id)
             self._failed_blocks.update(plan.block_ids)
 
     def cancel(self, req_ids: set[str]) -> None:
@@ -319,13 +338,19 @@ class Consumer:
         if req_ids:
             self.thread.loop.call_soon_threadsafe(cancel_on_loop)
 
+    def wait_for_a_load(self, seconds: float) -> None:
+        """In a step that computes nothing: until a load ends, at most
+        ``seconds`` (kvwire_vllm.loads says why)."""
+        self._loads.wait(seconds)
+
     def take_results(self) -> tuple[set[str], set[str]]:
         """Loads ended since the last call, and which of them failed."""
+        finished, failed = self._loads.take()
         with self._lock:
-            finished, self._finished = self._finished, set()
-            failed = self._failed & finished
-            self._failed -= failed
-            return finished, failed
+            spans = [self._spans.pop(req_id) for req_id in finished if req_id in self._spans]
+        for span in spans:  # vLLM hears now: the request may be scheduled
+            span.end()
+        return finished, failed
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:

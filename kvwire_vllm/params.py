@@ -16,6 +16,9 @@ prefill engine's answer (``request_finished``) carries the same, with
 only after the prefill engine answered (as vLLM's toy proxy does): the
 decode engine then checks the layout when it plans the load.
 
+Each may carry ``"kvwire_trace": TRACEPARENT``: the proxy traces the request
+(kvwired.tracing), and both engines record their part in the same trace.
+
 ``ID`` is the push's request id at the daemons; ``NAME`` the receiver as the
 prefill node's sender daemon knows it (null: its only one; "auto": chosen by
 the registry); ``N`` the prompt tokens pushed (the whole prompt; 0: nothing was pushed,
@@ -33,11 +36,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvwired import tracing
 from kvwired.errors import ConfigError, UsageError
 
 from .shards import EngineLayout
 
 DEFAULT_DEADLINE = 20.0  # seconds a push may take, prefill's start to delivery
+DEFAULT_IDLE_WAIT = 0.005
+MAX_IDLE_WAIT = 0.1
 # How long past the push's deadline a decode engine waits for the receiver's
 # verdict before it gives up on its own (the receiver decides first).
 VERDICT_GRACE = 2.0
@@ -57,6 +63,13 @@ def _deadline(value: object, where: str) -> float:
     return float(value)
 
 
+def _trace(params: Mapping[str, Any]) -> str | None:
+    """The request's trace (kvwired.tracing), when it carries one kvwire can
+    continue: a malformed one starts no error, as W3C trace context asks."""
+    trace = params.get("kvwire_trace")
+    return trace if tracing.is_traceparent(trace) else None
+
+
 def _transfer(value: object, where: str) -> str:
     if not isinstance(value, str) or not _TRANSFER.match(value):
         raise UsageError(f"{where}: kvwire_transfer {value!r} is not a transfer id",
@@ -72,6 +85,7 @@ class PushOrder:
     transfer: str
     receiver: str | None
     deadline: float
+    trace: str | None = None  # the request's traceparent, when the proxy traces it
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None,
@@ -88,7 +102,8 @@ class PushOrder:
         transfer = params.get("kvwire_transfer")
         return cls(_transfer(transfer, where) if transfer is not None else new_transfer_id(),
                    receiver,
-                   _deadline(params.get("kvwire_deadline", default_deadline), where))
+                   _deadline(params.get("kvwire_deadline", default_deadline), where),
+                   _trace(params))
 
     def answer(self, tokens: int, seconds_left: float,
                layout: EngineLayout | None = None) -> dict[str, Any]:
@@ -99,6 +114,8 @@ class PushOrder:
             "kvwire_deadline": round(min(max(seconds_left, 0.001), MAX_DEADLINE), 3)}
         if layout is not None:
             params["kvwire_layout"] = layout.to_params()
+        if self.trace is not None:
+            params["kvwire_trace"] = self.trace
         return params
 
 
@@ -110,6 +127,7 @@ class LoadOrder:
     tokens: int | None  # None: the whole prompt (asked before the prefill engine answered)
     deadline: float  # seconds the decode engine gives the push
     layout: EngineLayout | None = None  # the prefill engine's, once it answered
+    trace: str | None = None  # the request's traceparent, when the proxy traces it
 
     @classmethod
     def from_params(cls, params: Mapping[str, Any] | None) -> LoadOrder | None:
@@ -125,7 +143,8 @@ class LoadOrder:
         layout = params.get("kvwire_layout")
         return cls(_transfer(params.get("kvwire_transfer"), where), tokens,
                    _deadline(params.get("kvwire_deadline"), where),
-                   EngineLayout.from_params(layout, where) if layout is not None else None)
+                   EngineLayout.from_params(layout, where) if layout is not None else None,
+                   _trace(params))
 
     @property
     def wait(self) -> float:
@@ -141,11 +160,14 @@ class ConnectorSettings:
     receiver_socket: str | None = None
     receiver: str | None = None  # the default receiver for pushes that name none
     deadline: float = DEFAULT_DEADLINE
+    # Seconds a decode engine's step that computes nothing waits for a load
+    # to end, rather than spin (kvwire_vllm.consumer); 0: spin, as vLLM does.
+    idle_wait: float = DEFAULT_IDLE_WAIT
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
-        known = {"sender_socket", "receiver_socket", "receiver", "deadline"}
+        known = {"sender_socket", "receiver_socket", "receiver", "deadline", "idle_wait"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}",
@@ -158,5 +180,12 @@ class ConnectorSettings:
                                  "kv_connector_extra_config")
         except UsageError as exc:
             raise ConfigError(exc.message, hint=exc.hint) from None
+        idle_wait = extra.get("idle_wait", DEFAULT_IDLE_WAIT)
+        if (not isinstance(idle_wait, int | float) or isinstance(idle_wait, bool)
+                or not 0 <= idle_wait <= MAX_IDLE_WAIT):
+            raise ConfigError(f"kv_connector_extra_config: idle_wait {idle_wait!r} is not "
+                              "a number of seconds",
+                              hint=f"give seconds in [0, {MAX_IDLE_WAIT:g}] (0: spin while "
+                                   "loads are pending, as vLLM does)")
         return cls(extra.get("sender_socket"), extra.get("receiver_socket"),
-                   extra.get("receiver"), deadline)
+                   extra.get("receiver"), deadline, float(idle_wait))

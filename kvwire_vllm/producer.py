@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvwired import tracing
 from kvwired.client import LoopThread, OutgoingPush, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
@@ -71,6 +72,9 @@ class _Push:
     submitted: int = 0  # layers handed to the stager, in order
     deferred: bool = False  # a layer was done before the push was open
     failed: bool = False
+    # Its part of the request's trace: from the step that computes the
+    # prompt's last chunk to delivered (or failed).
+    span: tracing.Span = tracing.NO_SPAN
 
 
 class Producer:
@@ -113,6 +117,9 @@ class Producer:
                 push = _Push(plan, target.name, group, target.head,
                              torch.tensor(blocks, dtype=torch.int64), seal,
                              time.perf_counter())
+                push.span = tracing.start("kvwire.push", plan.order.trace, {
+                    "kvwire.transfer": plan.order.transfer, "kvwire.push": target.name,
+                    "kvwire.rank": self.rank, "kvwire.layers": len(group.layer_names)})
                 push.opening = self.thread.submit(self._open(push))
                 self._step.append(push)
 
@@ -120,11 +127,14 @@ class Producer:
         client = await self._daemon.client()
         shape = RequestShape(len(push.group.layer_names),
                              layer_bytes(len(push.block_ids), push.group.head_bytes))
+        push.span.add_event("open sent")
         # The layout travels with the open: a decode engine asked before this
         # engine answered (the proxy's parallel flow) checks it before a layer lands.
-        return await client.open(push.name, push.plan.order.receiver, shape,
-                                 deadline=push.plan.deadline,
-                                 note=self.cache.layout.to_params())
+        opened = await client.open(push.name, push.plan.order.receiver, shape,
+                                   deadline=push.plan.deadline,
+                                   note=self.cache.layout.to_params())
+        push.span.add_event("lease granted")
+        return opened
 
     def save_layer(self, layer_name: str) -> None:
         """After layer ``layer_name``'s attention wrote its KV: copy, seal, commit
@@ -138,6 +148,7 @@ class Producer:
                 continue
             if not push.opening.done():
                 push.deferred = True  # this layer and the rest: once it opens
+                push.span.set_attribute("kvwire.deferred_from_layer", n)
                 continue
             try:
                 outgoing = push.opening.result()
@@ -174,7 +185,10 @@ class Producer:
         except KvwireError as exc:
             self._give_up(push, exc)
             return
+        if n == 0:
+            push.span.add_event("first layer staged")
         if n == len(push.group.layer_names) - 1:
+            push.span.add_event("last layer staged")
             self._spawn(self._finish(push, outgoing))
 
     def end_step(self) -> None:
@@ -210,6 +224,9 @@ class Producer:
             self._give_up(push, exc)
             return
         seconds = time.perf_counter() - push.started
+        push.span.set_attribute("kvwire.bytes", result.bytes)
+        push.span.add_event("delivered")
+        push.span.end()
         self.counters.pushed(result.bytes, seconds)
         log.debug("kvwire: pushed %s (%d B) in %.3f s", push.name, result.bytes, seconds)
 
@@ -218,6 +235,8 @@ class Producer:
             return
         push.failed = True
         code = exc.code if isinstance(exc, KvwireError) else "error"
+        tracing.fail(push.span, f"{code}: {exc}")
+        push.span.end()
         self.counters.failed("push", code)
         log.warning("kvwire: push of %s (request %s) failed: %s; the decode engine will "
                     "compute its prompt", push.name, push.plan.req_id, exc)

@@ -11,12 +11,14 @@ the planning is tested with the daemons' suite (tests/unit/test_vllm_planning.py
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvwired import tracing
 from kvwired.errors import KvwireError
 
 from .params import ConnectorSettings, LoadOrder, PushOrder
@@ -138,6 +140,8 @@ class _Pushing:
     started: float  # monotonic: when the prefill engine took the request
     block_ids: list[list[int]] = field(default_factory=list)  # per group
     tokens: int | None = None  # pushed tokens, once planned
+    # The engine's part of the request's trace: taken, first scheduled, answered.
+    span: tracing.Span = tracing.NO_SPAN
 
 
 class ProducerPlanner:
@@ -164,9 +168,12 @@ class ProducerPlanner:
         if order is None:
             return
         if order.receiver is None and self.settings.receiver is not None:
-            order = PushOrder(order.transfer, self.settings.receiver, order.deadline)
+            order = dataclasses.replace(order, receiver=self.settings.receiver)
+        prompt_len = len(request.prompt_token_ids or ())
         self._requests[request.request_id] = _Pushing(
-            order, len(request.prompt_token_ids or ()), time.monotonic())
+            order, prompt_len, time.monotonic(),
+            span=tracing.start("kvwire.prefill", order.trace, {
+                "kvwire.transfer": order.transfer, "kvwire.tokens": prompt_len}))
 
     def plan(self, new: Iterable[tuple[str, Sequence[list[int]], int]],
              cached: Iterable[tuple[str, Sequence[list[int]] | None, bool, int]],
@@ -183,6 +190,8 @@ class ProducerPlanner:
             pushing = self._requests.get(req_id)
             if pushing is None or pushing.tokens is not None:
                 continue
+            if not pushing.block_ids:
+                pushing.span.add_event("scheduled")
             if replace or not pushing.block_ids:
                 pushing.block_ids = [list(g) for g in blocks or [[]] * len(self.windows)]
             elif blocks:
@@ -210,6 +219,7 @@ class ProducerPlanner:
         pushing = self._requests.pop(req_id, None)
         if pushing is None:
             return None
+        pushing.span.end()  # the prefill engine answers now
         left = pushing.order.deadline - (time.monotonic() - pushing.started)
         return pushing.order.answer(pushing.tokens or 0, left, self.layout)
 

@@ -237,13 +237,15 @@ def process_group_cpu(group: int) -> float:
 
 def start_proxy(stack: contextlib.ExitStack, prefix: Sequence[str], prefill: str,
                 decode: str, listen: str, deadline: float, log: Path,
-                flow: str = "parallel", timeout: float = 30.0) -> str:
+                flow: str = "parallel", timeout: float = 30.0,
+                env: dict[str, str] | None = None) -> str:
     """``kvctl proxy`` started (behind ``prefix``, e.g. a namespace) and
-    stopped with ``stack``; its URL once it listens."""
+    stopped with ``stack``; its URL once it listens. ``env``: more environment
+    (``KVWIRE_TRACES``, to trace its requests)."""
     proxy = subprocess.Popen(
         [*prefix, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill,
          "--decode", decode, "--listen", listen, "--deadline", str(deadline), "--flow", flow],
-        stdout=log.open("w"), stderr=subprocess.STDOUT)
+        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     stack.callback(proxy.wait)
     stack.callback(proxy.terminate)
     ends = time.monotonic() + timeout

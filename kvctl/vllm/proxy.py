@@ -37,6 +37,7 @@ import structlog
 from aiohttp import web
 
 from kvwire_vllm.params import DEFAULT_DEADLINE, new_transfer_id
+from kvwired import tracing
 from kvwired.errors import UsageError
 
 log = structlog.get_logger("kvctl.proxy")
@@ -157,6 +158,10 @@ class Proxy:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         transfer = new_transfer_id()
+        # The request's trace (kvwired.tracing): a child of the client's, if it
+        # sent one; both engines continue it.
+        span = tracing.start("kvwire.request", request.headers.get("traceparent"),
+                             {"kvwire.transfer": transfer, "http.route": request.path})
         try:
             try:
                 body = await request.json()
@@ -164,28 +169,35 @@ class Proxy:
                 raise ProxyError(400, f"the request body is not JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise ProxyError(400, "the request body must be a JSON object")
-            return await self._disaggregate(request, body, transfer)
+            return await self._disaggregate(request, body, transfer, span)
         except ProxyError as exc:
             log.warning("request failed", transfer=transfer, status=exc.status,
                         error=exc.message)
+            tracing.fail(span, exc.message)
             return exc.response(transfer)
+        finally:
+            span.end()
 
     async def _disaggregate(self, request: web.Request, body: dict[str, Any],
-                            transfer: str) -> web.StreamResponse:
+                            transfer: str, span: tracing.Span) -> web.StreamResponse:
         decode = self.decode.ranked()[0]
         decode.in_flight += 1  # from now: its receiver expects this request's KV
         decode.requests += 1
         try:
-            return await self._through(request, body, transfer, decode)
+            return await self._through(request, body, transfer, decode, span)
         finally:
             decode.in_flight -= 1
 
     async def _through(self, request: web.Request, body: dict[str, Any], transfer: str,
-                       decode: Server) -> web.StreamResponse:
+                       decode: Server, span: tracing.Span) -> web.StreamResponse:
         path = request.path
         started = time.perf_counter()
+        trace = tracing.traceparent(span)
+        traced = {"kvwire_trace": trace} if trace else {}
+        headers = {"traceparent": trace} if trace else {}
         order = {"do_remote_decode": True, "kvwire_transfer": transfer,
-                 "kvwire_receiver": decode.receiver, "kvwire_deadline": self.deadline}
+                 "kvwire_receiver": decode.receiver, "kvwire_deadline": self.deadline,
+                 **traced}
         prefill_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": order}
         prefill_body.pop("stream_options", None)
         if path.endswith("chat/completions"):
@@ -197,9 +209,10 @@ class Proxy:
             decoding = asyncio.create_task(self._ask_decode(decode, path, {
                 **body, "kv_transfer_params": {"do_remote_prefill": True,
                                                "kvwire_transfer": transfer,
-                                               "kvwire_deadline": self.deadline}}))
+                                               "kvwire_deadline": self.deadline, **traced}},
+                headers))
         try:
-            prefill, answer = await self._post_any(self.prefill, path, prefill_body)
+            prefill, answer = await self._post_any(self.prefill, path, prefill_body, headers)
         except BaseException:
             if decoding is not None:  # nothing will be pushed: the decode request goes
                 decoding.cancel()
@@ -207,38 +220,42 @@ class Proxy:
                     (await decoding).release()
             raise
         prefilled = time.perf_counter()
+        span.add_event("prefill answered", {"url": prefill.url})
         if decoding is None:
             params = answer.get("kv_transfer_params")
             if not isinstance(params, dict):
                 raise ProxyError(502, f"prefill server {prefill.url} answered without "
                                  "kv_transfer_params: is it running with a KV connector as "
                                  "kv_producer (--kv-transfer-config)?")
-            decoding = asyncio.create_task(self._ask_decode(decode, path,
-                                                      {**body, "kv_transfer_params": params}))
-        headers = {"x-kvwire-transfer": transfer, "x-kvwire-prefill": prefill.url,
-                   "x-kvwire-decode": decode.url,
-                   "x-kvwire-prefill-ms": f"{(prefilled - started) * 1e3:.1f}"}
-        return await self._relay(request, decode, await decoding, headers, transfer)
+            decoding = asyncio.create_task(self._ask_decode(
+                decode, path, {**body, "kv_transfer_params": params}, headers))
+        answer_headers = {"x-kvwire-transfer": transfer, "x-kvwire-prefill": prefill.url,
+                          "x-kvwire-decode": decode.url,
+                          "x-kvwire-prefill-ms": f"{(prefilled - started) * 1e3:.1f}"}
+        return await self._relay(request, decode, await decoding, answer_headers, transfer,
+                                 span)
 
-    async def _ask_decode(self, decode: Server, path: str,
-                          body: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def _ask_decode(self, decode: Server, path: str, body: dict[str, Any],
+                          headers: dict[str, str]) -> aiohttp.ClientResponse:
         """The decode server's response, open (its body not read yet)."""
         try:
-            return await self._session_or_fail().post(decode.url + path, json=body)
+            return await self._session_or_fail().post(decode.url + path, json=body,
+                                                      headers=headers)
         except aiohttp.ClientConnectionError as exc:
             decode.failures += 1
             raise ProxyError(502, f"decode server {decode.url} could not be reached "
                              f"({exc.__class__.__name__}: {exc})") from None
 
-    async def _post_any(self, pool: Pool, path: str,
-                        body: dict[str, Any]) -> tuple[Server, dict[str, Any]]:
+    async def _post_any(self, pool: Pool, path: str, body: dict[str, Any],
+                        headers: dict[str, str]) -> tuple[Server, dict[str, Any]]:
         """POST to the least loaded server of ``pool`` that can be reached."""
         unreachable: list[str] = []
         for server in pool.ranked():
             server.in_flight += 1
             server.requests += 1
             try:
-                async with self._session_or_fail().post(server.url + path, json=body) as up:
+                async with self._session_or_fail().post(server.url + path, json=body,
+                                                        headers=headers) as up:
                     if up.status != 200:
                         raise ProxyError(up.status, f"{pool.kind} server {server.url}: "
                                          f"{await _error_text(up)}")
@@ -253,7 +270,7 @@ class Proxy:
 
     async def _relay(self, request: web.Request, decode: Server,
                      up: aiohttp.ClientResponse, headers: dict[str, str],
-                     transfer: str) -> web.StreamResponse:
+                     transfer: str, span: tracing.Span) -> web.StreamResponse:
         """Decode's answer, streamed through as it comes."""
         response: web.StreamResponse | None = None
         try:
@@ -264,7 +281,11 @@ class Proxy:
                 **headers, "content-type": up.headers.get("content-type",
                                                           "application/json")})
             await response.prepare(request)
+            first = True
             async for chunk in up.content.iter_any():
+                if first:  # a streamed answer's first token
+                    span.add_event("decode first chunk")
+                    first = False
                 await response.write(chunk)
             await response.write_eof()
             return response
@@ -310,6 +331,7 @@ def add_parser(commands: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    tracing.configure("kvctl-proxy")
     proxy = Proxy([Server.parse(s, "prefill") for s in args.prefill],
                   [Server.parse(s, "decode") for s in args.decode],
                   deadline=args.deadline, timeout=args.timeout, flow=args.flow)

@@ -24,11 +24,13 @@ from typing import Any
 
 import pytest
 
+from kvctl import timeline
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run
 from kvctl.vllm import engines
 from kvctl.vllm.engines import OfflineProcess, ServeProcess, start_proxy
 from kvwire_vllm.params import new_transfer_id
 from kvwire_vllm.shards import push_name
+from kvwired import tracing
 from kvwired.client import SyncReceiverClient, SyncSenderClient
 
 from ..waiting import wait_until
@@ -176,11 +178,15 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
     on_prefill, on_decode = pair.argv(pair.prefill, []), pair.argv(pair.decode, [])
     prefill_url = f"http://{pair.prefill.address}:8100"
     decode_url = f"http://{pair.decode.address}:8200"
+    # The proxy and both engines trace every request (as the benchmark does).
+    traces = hosts.workdir / "traces"
+    traces.mkdir()
+    traced = {tracing.ENV: str(traces)}
     servers = [
         ServeProcess(model, pair.prefill.address, 8100, hosts.workdir / "serve-prefill.log",
-                     "prefill", hosts.connector("prefill"), on_prefill),
+                     "prefill", hosts.connector("prefill"), on_prefill, env=traced),
         ServeProcess(model, pair.decode.address, 8200, hosts.workdir / "serve-decode.log",
-                     "decode", hosts.connector("decode"), on_decode)]
+                     "decode", hosts.connector("decode"), on_decode, env=traced)]
     with ExitStack() as stack:
         for server in servers:
             stack.callback(server.stop)
@@ -189,7 +195,7 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
             server.wait_ready()
         proxy_url = start_proxy(stack, on_prefill, prefill_url, f"decode={decode_url}",
                                 f"{pair.prefill.address}:8000", DEADLINE,
-                                hosts.workdir / "proxy.log")
+                                hosts.workdir / "proxy.log", env=traced)
         delivered = hosts.receiver_total("kvwire_requests_total", outcome="delivered")
         answers = _load(pair, proxy_url, prompts, concurrency=4)
         for n, (answer, reference) in enumerate(zip(answers, colocated, strict=True)):
@@ -199,6 +205,7 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
         moving = sum(1 for p in prompts if pushed_tokens(p))
         assert hosts.receiver_total("kvwire_requests_total",
                                     outcome="delivered") - delivered == moving * HEADS
+        _check_timelines(traces, [a["transfer"] for a in answers])
 
         # A decode server that is down: a clear 502 at once, not a hang.
         servers[1].stop()
@@ -213,6 +220,33 @@ def test_the_users_path_vllm_serve_both_sides_and_the_proxy(
             for head in range(HEADS):
                 decode_engine.wait_delivered(push_name(down["transfer"], head), timeout=10)
                 decode_engine.release(push_name(down["transfer"], head))
+
+
+def _check_timelines(traces: Path, transfers: list[str]) -> None:
+    """Each request's trace has every step, from all three processes, in the
+    order causality allows (steps that may overlap are not ordered)."""
+    found = timeline.collect(traces, transfers)
+    assert set(found) == set(transfers)
+    before = [("prefill engine took it", "prefill scheduled"),
+              ("prefill scheduled", "prompt's last step began"),
+              ("prompt's last step began", "open sent"), ("open sent", "lease granted"),
+              # A transfer has a push per KV head: "first" steps are the
+              # earliest push's, the others the latest's.
+              ("open sent", "first layer staged"), ("lease granted", "last layer staged"),
+              ("first layer staged", "last layer staged"),
+              ("first layer staged", "first layer landed"),
+              ("last layer staged", "last layer landed"),
+              ("last layer landed", "delivered (decode heard)"),
+              ("delivered (decode heard)", "vLLM told the load ended"),
+              ("vLLM told the load ended", "first token at the proxy"),
+              ("prefill engine answered", "proxy has prefill's answer"),
+              ("first token at the proxy", "proxy answered")]
+    for transfer, line in found.items():
+        missing = {s.label for s in timeline.STEPS} - set(line.steps)
+        assert not missing, f"{transfer}: no {missing}"
+        assert not line.failures, line.failures
+        for earlier, later in before:
+            assert line.steps[earlier] <= line.steps[later], (transfer, earlier, later)
 
 
 def test_a_prefill_engine_never_waits_on_a_stopped_receiver_its_pushes_land_later(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -14,7 +16,9 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvctl import timeline
 from kvctl.vllm.proxy import Pool, Proxy, Server
+from kvwired import tracing
 from kvwired.errors import UsageError
 
 
@@ -96,3 +100,88 @@ async def test_other_paths_are_not_served(proxy_url: str) -> None:
             assert response.status in (404, 405)
         async with session.get(f"{proxy_url}/health") as response:
             assert response.status == 200
+
+
+# ------------------------------------------------------------------ tracing
+
+CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _through_proxy(headers: dict[str, str]) -> list[tuple[str, dict[str, Any], str]]:
+    """One streamed request through the proxy to two stand-in engines (an
+    aiohttp app each: the proxy's own HTTP, not vLLM's); what each engine got:
+    (which, its kv_transfer_params, its traceparent header)."""
+    seen: list[tuple[str, dict[str, Any], str]] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(("prefill", body["kv_transfer_params"],
+                     request.headers.get("traceparent", "")))
+        return web.json_response({"choices": [{"text": "a"}],
+                                  "kv_transfer_params": body["kv_transfer_params"]})
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(("decode", body["kv_transfer_params"],
+                     request.headers.get("traceparent", "")))
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for chunk in (b'data: {"choices": [{"text": "b"}]}\n\n', b"data: [DONE]\n\n"):
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+
+    upstreams = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        upstreams.append(await _serve(app))
+    proxy = Proxy([Server(upstreams[0][1])], [Server(upstreams[1][1], "decode-0")])
+    runner, url = await _serve(proxy.app())
+    try:
+        async with aiohttp.ClientSession() as session, session.post(
+                f"{url}/v1/completions", json={"model": "m", "prompt": [1, 2], "stream": True},
+                headers=headers) as response:
+            assert response.status == 200
+            assert b"[DONE]" in await response.read()
+    finally:
+        for r in (runner, upstreams[0][0], upstreams[1][0]):
+            await r.cleanup()
+    return sorted(seen)
+
+
+async def test_a_traced_request_hands_its_trace_to_both_engines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "_tracer", None)
+    tracing.configure("kvctl-proxy", str(tmp_path))
+    try:
+        seen = await _through_proxy({"traceparent": CLIENT_TRACE})
+        spans = timeline.read_spans(tmp_path)
+    finally:
+        monkeypatch.setattr(tracing, "_tracer", None)
+    [(_, decode_params, decode_header), (_, prefill_params, prefill_header)] = seen
+    # The same traceparent in the params (for kvwire's connector) and the
+    # header (for vLLM's own tracing), to both engines: a child of the client's.
+    assert prefill_params["kvwire_trace"] == decode_params["kvwire_trace"] == \
+        prefill_header == decode_header
+    [request] = spans
+    assert request.trace == "0x" + CLIENT_TRACE.split("-")[1]
+    assert prefill_header.split("-")[1] == CLIENT_TRACE.split("-")[1]
+    assert [name for name, _ in request.events] == ["prefill answered", "decode first chunk"]
+    assert request.attributes["kvwire.transfer"] == prefill_params["kvwire_transfer"]
+
+
+async def test_untraced_the_engines_get_no_trace_at_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tracing, "_tracer", None)
+    seen = await _through_proxy({"traceparent": CLIENT_TRACE})
+    for _, params, header in seen:
+        assert "kvwire_trace" not in params and header == ""

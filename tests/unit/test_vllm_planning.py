@@ -69,6 +69,34 @@ def test_a_push_order_takes_the_proxys_transfer_receiver_and_deadline() -> None:
     assert load.wait == 2.5 + VERDICT_GRACE
 
 
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_the_requests_trace_travels_with_both_orders_and_the_answer() -> None:
+    order = PushOrder.from_params(push_params(kvwire_trace=TRACE), DEFAULT_DEADLINE)
+    assert order is not None and order.trace == TRACE
+    answer = order.answer(tokens=8, seconds_left=1.0)
+    assert answer["kvwire_trace"] == TRACE
+    load = LoadOrder.from_params(answer)
+    assert load is not None and load.trace == TRACE
+    # The planner keeps it when it names the default receiver.
+    planner = ProducerPlanner(ConnectorSettings(receiver="decode-0"), block_size=4)
+    planner.on_new_request(FakeRequest("r", [1, 2, 3], push_params(kvwire_trace=TRACE)))
+    [push] = planner.plan([("r", [[7]], 0)], [], {"r": 3}).pushes
+    assert (push.order.receiver, push.order.trace) == ("decode-0", TRACE)
+
+
+@pytest.mark.parametrize("trace", ["", "nonsense", 7, None, {"traceparent": TRACE},
+                                   TRACE.upper(), TRACE + "-extra"])
+def test_a_trace_kvwire_cannot_read_is_left_out_not_an_error(trace: object) -> None:
+    order = PushOrder.from_params(push_params(kvwire_trace=trace), DEFAULT_DEADLINE)
+    assert order is not None and order.trace is None
+    assert "kvwire_trace" not in order.answer(tokens=8, seconds_left=1.0)
+    load = LoadOrder.from_params({"do_remote_prefill": True, "kvwire_transfer": "t-1",
+                                  "kvwire_deadline": 2, "kvwire_trace": trace})
+    assert load is not None and load.trace is None
+
+
 def test_requests_without_the_flags_ask_for_nothing() -> None:
     assert PushOrder.from_params(None, 1.0) is None
     assert PushOrder.from_params({"do_remote_decode": False}, 1.0) is None
