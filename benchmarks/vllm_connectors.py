@@ -10,7 +10,10 @@ passes any connector's ``kv_transfer_params``):
 - beside each, one engine with no connector (the reference), asked each
   prompt just before: the added TTFT is the median of the paired
   differences, which a drift of the machine cannot fake;
-- ``kvwire``: kvwire's connector and daemons;
+- ``kvwire``: kvwire's connector and daemons (``kvwire-sequential``: the
+  same through the proxy's sequential flow, decode asked after prefill;
+  ``kvwire-spin``: its decode engine stepped without pause while it waits,
+  ``idle_wait`` 0, as before kvwire waited in idle steps);
 - ``nixl``: vLLM's NixlConnector over UCX on TCP, as shipped;
 - ``nixl-tuned``: the same with NIXL's progress thread polling every
   100 µs instead of spinning (benchmarks/vllm_peers.py);
@@ -52,15 +55,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvctl import table
+from kvctl import table, timeline
 from kvctl.netns import DaemonProcess, NetnsPair, two_hosts
 from kvctl.vllm.demo import prompts_of, send, transfers
 from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config, start_proxy
 from kvwire_vllm.model import make_model
+from kvwired import tracing
 from kvwired.errors import KvwireError
 
 REPO = Path(__file__).resolve().parents[1]
 CONNECTORS = ["kvwire", "nixl-tuned", "nixl", "mooncake"]
+# kvwire run otherwise, beside itself in the same run: name -> (connector,
+# the proxy's flow, more decode connector settings).
+VARIANTS: dict[str, tuple[str, str | None, dict[str, Any]]] = {
+    "kvwire-sequential": ("kvwire", "sequential", {}),
+    "kvwire-spin": ("kvwire", None, {"idle_wait": 0}),  # vLLM's idle steps not slowed
+}
 
 
 @dataclass(frozen=True)
@@ -87,15 +97,16 @@ BATCH = 2048
 
 
 def server_settings(name: str, pair: NetnsPair, receiver: DaemonProcess,
-                    sender: DaemonProcess) -> list[tuple[str, dict[str, Any] | None,
-                                                         dict[str, str]]]:
-    """Per server to start: its host, its --kv-transfer-config, its environment."""
+                    sender: DaemonProcess, decode_extra: dict[str, Any] | None = None
+                    ) -> list[tuple[str, dict[str, Any] | None, dict[str, str]]]:
+    """Per server to start: its host, its --kv-transfer-config, its environment.
+    ``decode_extra``: more of kvwire's decode connector settings."""
     hosts = {"prefill": pair.prefill.address, "decode": pair.decode.address}
     if name == "kvwire":
         return [("prefill", kv_transfer_config("prefill", {"sender_socket": sender.socket,
                                                            "deadline": DEADLINE}), {}),
-                ("decode", kv_transfer_config("decode", {"receiver_socket": receiver.socket}),
-                 {})]
+                ("decode", kv_transfer_config("decode", {"receiver_socket": receiver.socket,
+                                                         **(decode_extra or {})}), {})]
     peers = {"PYTHONPATH": str(REPO)}
     if name in ("nixl", "nixl-tuned"):
         connector = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
@@ -132,16 +143,24 @@ def wire_bytes(pair: NetnsPair) -> int:
 
 def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonProcess,
             model: Path, work: Path, prompts: dict[int, list[list[int]]],
-            shape: Shape = SHAPES["tp1"], flow: str | None = None) -> dict[str, Any]:
+            shape: Shape = SHAPES["tp1"], flow: str | None = None,
+            variant: str | None = None) -> dict[str, Any]:
     """``flow``: the proxy's, for kvwire (parallel by default); the pull
-    connectors always go sequential."""
+    connectors always go sequential. ``variant``: one of VARIANTS' names."""
     ports = {"prefill": 8100, "decode": 8200, "colocated": 8300}
+    # The proxy and both engines trace each request (kvwired.tracing): where
+    # its time went, step by step (the peers' engines record nothing).
+    traces = Path(tempfile.mkdtemp(prefix=f"traces-{name}-", dir=work))
+    traced = {tracing.ENV: str(traces)}
     with ExitStack() as stack:
         servers: dict[str, ServeProcess] = {}
         # Each way of serving is measured against a plain engine running beside
         # it, prompt by prompt: a drift of the machine hits both alike.
-        settings = [*server_settings(name, pair, receiver, sender), ("colocated", None, {})]
+        settings = [*server_settings(name, pair, receiver, sender,
+                                     VARIANTS[variant][2] if variant else None),
+                    ("colocated", None, {})]
         for side, kv, env in settings:
+            env = {**env, **traced} if kv is not None else env
             host = pair.prefill if side == "prefill" else pair.decode  # colocated: decode
             server = ServeProcess(model, host.address, ports[side],
                                   work / f"{name}-{side}.log", prefix=pair.argv(host, []),
@@ -165,7 +184,7 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                                   f"{pair.prefill.address}:8000", DEADLINE,
                                   work / f"{name}-proxy.log",
                                   (flow or "parallel") if name == "kvwire"
-                                  else "sequential")
+                                  else "sequential", env=traced)
 
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return send(pair, url, batch)
@@ -178,7 +197,9 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
             for prompt in batch:
                 [alone] = send(pair, plain.url, [prompt])
                 before = wire_bytes(pair)
+                decode_cpu = servers["decode"].cpu_seconds()
                 [answer] = ask([prompt])
+                decode_cpu = servers["decode"].cpu_seconds() - decode_cpu
                 crossed = wire_bytes(pair) - before
                 push = transfers(sender).get(answer["transfer"] or "", {}) \
                     if name == "kvwire" else {}
@@ -188,9 +209,31 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                     "same": answer["tokens"] == alone["tokens"],
                     "transfer_seconds": push.get("transfer_seconds"),
                     "drain_seconds": push.get("drain_seconds"),
-                    "kv_bytes": push.get("bytes"), "wire_bytes": crossed})
-        label = f"{name} ({flow})" if name == "kvwire" and flow else name
+                    "kv_bytes": push.get("bytes"), "wire_bytes": crossed,
+                    "transfer": answer["transfer"],
+                    # The decode engine's cores while the request was in it.
+                    "decode_cores": decode_cpu / answer["seconds"]})
+        found = timeline.collect(traces, [r["transfer"] for runs in rows.values()
+                                          for r in runs if r["transfer"]])
+        for runs in rows.values():
+            for r in runs:
+                line = found.get(r["transfer"] or "")
+                r["timeline"] = line.steps if line is not None else None
+        label = variant or (f"{name} ({flow})" if name == "kvwire" and flow else name)
         return {"connector": label, "idle_cores": idle, "lengths": rows}
+
+
+def timeline_table(result: dict[str, Any]) -> str:
+    """Where one way of serving's requests spent their time, per prompt length,
+    and beside it the plain engine's time to first token."""
+    groups = {f"{length} tokens": [timeline.Timeline(r["transfer"], r["timeline"], [])
+                                   for r in runs if r.get("timeline")]
+              for length, runs in result["lengths"].items()}
+    alone = " / ".join(f"{p50([r['ttft_colocated'] for r in runs]) * 1e3:.1f}"
+                       for runs in result["lengths"].values())
+    return (f"{result.get('shape', 'tp1')}/{result['connector']}: where a request's time went\n"
+            + timeline.render(groups)
+            + f"\none engine's time to first token (p50 ms, at the client): {alone}")
 
 
 def _route(pair: NetnsPair, servers: dict[str, ServeProcess]
@@ -249,13 +292,15 @@ def report(results: list[dict[str, Any]]) -> list[list[object]]:
                 f"{(1 - sum(drain) / sum(transfer)) * 100:.0f} %" if transfer else "-",
                 f"{wire / 2**20:.1f}",
                 " / ".join(f"{v:.2f}" for v in result["idle_cores"].values()),
+                f"{p50([r['decode_cores'] for r in runs if 'decode_cores' in r] or [0]):.2f}",
                 "yes" if all(r["same"] for r in runs) else "NO"])
     return rows
 
 
 HEADERS = ["shape", "connector", "tokens", "TTFT one engine ms", "TTFT ms",
            "added ms (paired p50)", "decode side ms", "transfer ms", "after last layer ms",
-           "hidden", "wire MiB", "idle cores (prefill / decode)", "same tokens"]
+           "hidden", "wire MiB", "idle cores (prefill / decode)",
+           "decode engine cores while asked", "same tokens"]
 
 
 def main() -> None:
@@ -289,9 +334,11 @@ def main() -> None:
                 for name in args.connectors.split(","):
                     key = f"{shape_name}/{name}"
                     print(f"{key}: starting its servers", flush=True)
+                    connector, flow, _ = VARIANTS.get(name, (name, args.flow, {}))
                     try:
-                        result = run_one(name, pair, receiver, sender, model, work, prompts,
-                                         shape, args.flow)
+                        result = run_one(connector, pair, receiver, sender, model, work,
+                                         prompts, shape, flow,
+                                         name if name in VARIANTS else None)
                     except (KvwireError, OSError) as exc:
                         failures[key] = str(exc)[-1500:]
                         print(f"{key}: did not run: {failures[key]}", flush=True)
@@ -300,6 +347,8 @@ def main() -> None:
                         print(table.render(HEADERS, report(results)[-len(lengths):]),
                               flush=True)
     print("\n" + table.render(HEADERS, report(results)))
+    for result in results:
+        print("\n" + timeline_table(result))
     for name, why in failures.items():
         print(f"\n{name} did not run:\n{why}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

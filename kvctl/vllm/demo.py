@@ -33,9 +33,10 @@ from typing import Any, TextIO
 
 from kvwire_vllm.model import SHAPES, make_model
 from kvwire_vllm.shards import transfer_of
+from kvwired import tracing
 from kvwired.errors import KvwireError
 
-from .. import table
+from .. import table, timeline
 from ..netns import DaemonProcess, NetnsPair, two_hosts
 from .engines import ServeProcess, start_proxy
 
@@ -58,19 +59,21 @@ def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
 
 @contextmanager
 def servers(pair: NetnsPair, model: Path, work: Path, receiver: DaemonProcess,
-            sender: DaemonProcess) -> Iterator[dict[str, str]]:
-    """The three vLLM servers and the proxy; their URLs."""
+            sender: DaemonProcess, traces: Path) -> Iterator[dict[str, str]]:
+    """The three vLLM servers and the proxy; their URLs. The proxy and the two
+    disaggregated engines trace each request into ``traces``."""
     on_prefill, on_decode = pair.argv(pair.prefill, []), pair.argv(pair.decode, [])
     memory = 1 << 30
+    traced = {tracing.ENV: str(traces)}
     serve = [
         ("prefill", ServeProcess(model, pair.prefill.address, PORTS["prefill"],
                                  work / "serve-prefill.log", "prefill",
                                  {"sender_socket": sender.socket, "deadline": DEADLINE},
-                                 on_prefill, kv_cache_bytes=memory)),
+                                 on_prefill, kv_cache_bytes=memory, env=traced)),
         ("decode", ServeProcess(model, pair.decode.address, PORTS["decode"],
                                 work / "serve-decode.log", "decode",
                                 {"receiver_socket": receiver.socket}, on_decode,
-                                kv_cache_bytes=memory)),
+                                kv_cache_bytes=memory, env=traced)),
         ("colocated", ServeProcess(model, pair.decode.address, PORTS["colocated"],
                                    work / "serve-colocated.log", None, None, on_decode,
                                    kv_cache_bytes=memory))]
@@ -85,7 +88,8 @@ def servers(pair: NetnsPair, model: Path, work: Path, receiver: DaemonProcess,
             print(f"  {name} server ready after {time.monotonic() - started:.0f} s", flush=True)
         urls["proxy"] = start_proxy(
             stack, on_prefill, urls["prefill"], f"decode={urls['decode']}",
-            f"{pair.prefill.address}:{PORTS['proxy']}", DEADLINE, work / "proxy.log")
+            f"{pair.prefill.address}:{PORTS['proxy']}", DEADLINE, work / "proxy.log",
+            env=traced)
         yield urls
 
 
@@ -142,8 +146,10 @@ def vllm_demo(out: TextIO = sys.stdout, results: Path | None = Path("results")) 
             print("starting three vLLM servers (prefill, decode, and one engine for "
                   "reference), then the proxy: a minute or two on 2 cores", file=out,
                   flush=True)
-            with servers(pair, model, work, receiver, sender) as urls:
-                report = _measure(pair, urls, sender, out)
+            traces = work / "traces"
+            traces.mkdir()
+            with servers(pair, model, work, receiver, sender, traces) as urls:
+                report = _measure(pair, urls, sender, out, traces)
     report |= {"experiment": "demo-vllm", "started": started_at,
                "seconds": round(time.monotonic() - began, 1)}
     print(f"\nthe demo took {report['seconds'] / 60:.1f} min", file=out)
@@ -158,7 +164,7 @@ def vllm_demo(out: TextIO = sys.stdout, results: Path | None = Path("results")) 
 
 
 def _measure(pair: NetnsPair, urls: dict[str, str], sender: DaemonProcess,
-             out: TextIO) -> dict[str, Any]:
+             out: TextIO, traces: Path) -> dict[str, Any]:
     warm = prompts_of([64], seed=1)
     send(pair, urls["colocated"], warm)
     send(pair, urls["proxy"], warm)
@@ -174,7 +180,7 @@ def _measure(pair: NetnsPair, urls: dict[str, str], sender: DaemonProcess,
                   "ttft_colocated": alone["ttft"], "ttft_disaggregated": split["ttft"],
                   "prefill_ms": split["prefill_ms"], "bytes": push.get("bytes", 0),
                   "transfer_seconds": push.get("transfer_seconds"),
-                  "drain_seconds": push.get("drain_seconds")}
+                  "drain_seconds": push.get("drain_seconds"), "transfer": split["transfer"]}
         records.append(record)
         rows.append([n, len(prompt), "yes" if record["identical"] else "NO",
                      f"{alone['ttft'] * 1e3:.0f}", f"{split['ttft'] * 1e3:.0f}",
@@ -198,12 +204,32 @@ def _measure(pair: NetnsPair, urls: dict[str, str], sender: DaemonProcess,
     hidden = summary["hidden_share"]
     print(f"\noverlap: {hidden * 100:.0f} % of the transfer time ran while prefill was still "
           "computing later layers", file=out)
+    steps = _timelines(records, traces, out)
     identical = all(r["identical"] for r in records) and all(burst_identical)
     print(f"tokens identical to one engine: {'yes' if identical else 'NO'} "
           f"({sum(r['identical'] for r in records) + sum(burst_identical)} of "
           f"{len(records) + len(burst_identical)} prompts)", file=out)
     return {"identical": identical, "prompts": records, "burst_identical": burst_identical,
-            "summary": summary}
+            "summary": summary, "timeline": steps}
+
+
+def _timelines(records: list[dict[str, Any]], traces: Path,
+               out: TextIO) -> dict[str, dict[str, dict[str, float]]]:
+    """Where the one-at-a-time requests' time went, per prompt length (their
+    traces), printed beside one engine's time to first token."""
+    found = timeline.collect(traces, [r["transfer"] for r in records if r["transfer"]])
+    groups: dict[str, list[timeline.Timeline]] = {}
+    alone: dict[str, list[float]] = {}
+    for record in records:
+        key = f"{record['tokens']} tokens"
+        alone.setdefault(key, []).append(record["ttft_colocated"] * 1e3)
+        if record["transfer"] in found:
+            groups.setdefault(key, []).append(found[record["transfer"]])
+    print("\nwhere a disaggregated request's time went (from its trace: the proxy's, "
+          "both engines'):\n" + timeline.render(groups), file=out)
+    print("one engine's time to first token (p50 ms, at the client): " + " / ".join(
+        f"{statistics.median(alone[key]):.1f}" for key in groups), file=out)
+    return {key: timeline.summary(requests) for key, requests in groups.items()}
 
 
 HEADERS = ["#", "tokens", "same tokens", "TTFT one engine ms", "TTFT disaggregated ms",
