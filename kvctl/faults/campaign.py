@@ -30,11 +30,11 @@ from kvwired.layout import RequestShape
 
 from .deployment import Deployment, EngineHandle
 from .engine import DECODE_PHASES, PREFILL_PHASES
+from .reference import DEADLINE_FLOOR, WireReference
 from .scenarios import Scenario
 
-HANG = 30.0  # no event from either engine for this long: a hang
+HANG = 30.0  # no event from either engine for this long (past the push's deadline): a hang
 RECOVERY_LIMIT = 90.0
-PUSH_DEADLINE = 20.0
 DECODE_GRACE = 10.0  # every failure must reach both engines within this
 Event = tuple[str, float, dict[str, Any]]
 
@@ -59,6 +59,9 @@ class ScenarioResult:
     restarts: int = 0
     notes: list[str] = field(default_factory=list)
     not_run: str | None = None  # why, when the deployment cannot inject this fault
+    # The plain tool's time for a push's bytes on this scenario's wire (wire
+    # scenarios only), which set the pushes' deadline.
+    reference: WireReference | None = None
     seconds: float = 0.0  # how long the scenario's iterations took, all told
 
     @property
@@ -81,6 +84,7 @@ class ScenarioResult:
             "restarts": self.restarts,
             "error_seconds": self.error_seconds, "recovery_seconds": self.recovery_seconds,
             "notes": self.notes, "not_run": self.not_run, "seconds": round(self.seconds, 1),
+            "wire_reference": None if self.reference is None else self.reference.to_dict(),
         }
 
 
@@ -131,6 +135,9 @@ class Engine:
 
 
 class Campaign:
+    # The pushes' deadline: the floor, or what the scenario's wire earned.
+    deadline = DEADLINE_FLOOR
+
     def __init__(self, deployment: Deployment, iterations: int,
                  shape: RequestShape | None = None, seed: int = 0,
                  progress: Callable[[str, int, int], None] | None = None) -> None:
@@ -151,7 +158,7 @@ class Campaign:
                                                     else "receiver"],
                 "--req", req, "--seed", str(seed), "--layers", str(self.shape.layers),
                 "--layer-bytes", str(self.shape.layer_bytes),
-                "--deadline", str(PUSH_DEADLINE)]
+                "--deadline", str(self.deadline)]
         for phase in (["connected"] if gated else []) + ([hold] if hold else []):
             argv += ["--hold", phase]
         argv += extra
@@ -189,7 +196,7 @@ class Campaign:
                             and "decode" not in endings):
                         engines["decode"].kill()
                         endings["decode"] = {"e": "not-told", "at": now}
-                    elif now - last > HANG:
+                    elif now - last > self._hang:
                         hung = True
                         break
                     continue
@@ -223,6 +230,13 @@ class Campaign:
                 engine.reap()
         return endings, struck, hung
 
+    @property
+    def _hang(self) -> float:
+        """Silence from both engines that counts as a hang: a push on a slow
+        wire may be quiet until its deadline, and its failure then must reach
+        both engines within the grace."""
+        return max(HANG, self.deadline + DECODE_GRACE)
+
     # ------------------------------------------------------------- scenarios
 
     def run(self, scenario: Scenario) -> ScenarioResult:
@@ -237,6 +251,11 @@ class Campaign:
                 return result
         restarts_before = self.deployment.restarts()
         began = time.monotonic()
+        self.deadline = DEADLINE_FLOOR
+        if scenario.netem:
+            self.progress(scenario.name, 0, self.iterations)  # the reference is its time too
+            result.reference = self._reference(scenario.netem)
+            self.deadline = result.reference.deadline
         for n in range(self.iterations):
             self.progress(scenario.name, n, self.iterations)
             try:
@@ -251,6 +270,14 @@ class Campaign:
         result.restarts = self.deployment.restarts() - restarts_before
         result.seconds = time.monotonic() - began
         return result
+
+    def _reference(self, netem: str) -> WireReference:
+        """The plain tool's time for one push's bytes, with ``netem`` on the wire."""
+        self.deployment.wire(netem)
+        try:
+            return self.deployment.wire_reference(self.shape.layer_bytes, self.shape.layers)
+        finally:
+            self.deployment.wire(None)
 
     def _iteration(self, scenario: Scenario, n: int, result: ScenarioResult) -> None:
         point = self.rng.choice(scenario.at) if scenario.at else None
@@ -394,7 +421,7 @@ class Campaign:
                  req: str) -> None:
         if hung:
             result.hangs += 1
-            result.notes.append(f"{req}: no progress for {HANG:g} s")
+            result.notes.append(f"{req}: no progress for {self._hang:g} s")
         corrupt = int(endings.get("decode", {}).get("corrupt") or 0)
         result.corrupt_bytes += corrupt
         if self._delivered(endings):
@@ -437,7 +464,8 @@ class Campaign:
             endings, _, hung = self._push(req, seed)
             if hung:
                 result.hangs += 1
-                result.notes.append(f"{req} (after the fault): no progress for {HANG:g} s, "
+                result.notes.append(f"{req} (after the fault): no progress for "
+                                    f"{self._hang:g} s, "
                                     f"{endings}")
             if self._delivered(endings):
                 return time.monotonic()

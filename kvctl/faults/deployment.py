@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..netns import DaemonProcess, Host, NetnsPair, receiver_config, scrape_in, sender_config
+from .reference import REFERENCE_LIMIT, WireReference
 from .wire import WireFaults, drop_inbound, undo_drop_inbound
 
 ROLES = ("receiver", "sender")
@@ -54,6 +55,9 @@ class Deployment(Protocol):
     def cut_data(self, cut: bool) -> None: ...
 
     def can_emulate(self, netem: str) -> str | None: ...
+
+    def wire_reference(self, write_bytes: int, writes: int,
+                       limit: float = REFERENCE_LIMIT) -> WireReference: ...
 
     def supports(self, action: str) -> str | None: ...
 
@@ -163,6 +167,40 @@ class NetnsDeployment:
         """The fault on both ends of the wire (None: a clean wire again)."""
         for host in self._hosts():
             self._wire.apply(functools.partial(self.pair.argv, host), host.ifname, netem)
+
+    def wire_reference(self, write_bytes: int, writes: int,
+                       limit: float = REFERENCE_LIMIT) -> WireReference:
+        """A plain socket loop's time for ``writes`` sends of ``write_bytes``
+        from prefill's namespace to decode's, on the wire as it is now (given
+        ``limit`` seconds)."""
+        total = write_bytes * writes
+        module = [sys.executable, "-m", "kvctl.faults.reference"]
+        server = subprocess.Popen(
+            self.pair.argv(self.pair.decode, [*module, "serve", self.pair.decode.address,
+                                              str(total)]),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            port = server.stdout.readline().strip()
+            if not port.isdigit():
+                return WireReference("socket loop", total, None,
+                                     f"its receiving half did not start: {port}")
+            try:
+                done = subprocess.run(
+                    self.pair.argv(self.pair.prefill, [*module, "send",
+                                                       self.pair.decode.address, port,
+                                                       str(write_bytes), str(writes)]),
+                    capture_output=True, text=True, timeout=limit)
+            except subprocess.TimeoutExpired:
+                return WireReference("socket loop", total, None, f"not done in {limit:g} s")
+            if done.returncode != 0:
+                return WireReference("socket loop", total, None,
+                                     done.stderr.strip().splitlines()[-1:][0]
+                                     if done.stderr.strip() else f"exit {done.returncode}")
+            return WireReference("socket loop", total, float(done.stdout))
+        finally:
+            server.kill()
+            server.wait()
 
     def cut_data(self, cut: bool) -> None:
         """Drop the data streams' packets as they reach decode (no reset), or stop."""

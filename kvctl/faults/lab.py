@@ -21,9 +21,11 @@ from typing import Any
 from kvwired.addresses import DEFAULT_DATA_PORT
 
 from ..lab.daemons import ServiceDaemon, receiver_config, sender_config
+from ..lab.link_perftest import write_bw
 from ..lab.machine import SHARED_DIR, LabError, LabState, exec_in, run_in
 from ..status import scrape
 from .deployment import EngineHandle
+from .reference import REFERENCE_LIMIT, WireReference
 from .wire import drop_inbound, undo_drop_inbound
 
 ENGINE_NODE = {"prefill": "prefill", "decode": "decode"}
@@ -223,6 +225,20 @@ class LabDeployment:
                                          "netem", *netem.split()], state=self.state)
             if code != 0:
                 raise RuntimeError(f"tc netem {netem} in {node}: {err.strip()}")
+
+    def wire_reference(self, write_bytes: int, writes: int,
+                       limit: float = REFERENCE_LIMIT) -> WireReference:
+        """ib_write_bw's time for ``writes`` writes of ``write_bytes`` from
+        prefill to decode (rail 0, the wire the faults are put on), given
+        ``limit`` seconds."""
+        total = write_bytes * writes
+        try:
+            figures = write_bw(write_bytes, writes, self.state, timeout=limit, tries=1)
+        except LabError as exc:
+            return WireReference("ib_write_bw", total, None, str(exc).splitlines()[-1])
+        if figures.gbps <= 0:
+            return WireReference("ib_write_bw", total, None, "it reported no bandwidth")
+        return WireReference("ib_write_bw", total, total * 8 / (figures.gbps * 1e9))
 
     def cut_data(self, cut: bool) -> None:
         """Drop the data path's packets as they reach decode, no reset: RoCE v2

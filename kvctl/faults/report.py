@@ -43,6 +43,7 @@ def rows(results: list[ScenarioResult]) -> list[list[Any]]:
 def render(results: list[ScenarioResult]) -> str:
     lines = [table.render(HEADERS, rows(results))]
     lines += [f"{r.name}: not run: {r.not_run}" for r in results if r.not_run]
+    lines += [_against_the_wire(r) for r in results if r.reference is not None]
     slow = [f"{r.name} ({max(r.error_seconds):.1f} s)" for r in results
             if r.error_seconds and max(r.error_seconds) >= ERROR_BAR_SECONDS]
     if slow:
@@ -52,6 +53,21 @@ def render(results: list[ScenarioResult]) -> str:
                  "0 split outcomes, 0 decode engines left untold" if not bad else
                  f"NOT CLEAN: {', '.join(bad)} (see the notes in faults.json)")
     return "\n".join(lines)
+
+
+def _against_the_wire(result: ScenarioResult) -> str:
+    """A wire scenario's pushes beside the plain tool on the same wire: the
+    deadline they had, and how those that were not delivered ended."""
+    assert result.reference is not None
+    line = (f"{result.name}: {result.reference.describe()}; "
+            f"{result.delivered_verified}/{result.attempted} delivered byte-exact")
+    failed = result.attempted - result.delivered_verified
+    if failed and result.failed_by_class:
+        classes = ", ".join(f"{name} {n}" for name, n in sorted(result.failed_by_class.items()))
+        line += (f"; the rest ended {classes}, "
+                 f"{min(result.error_seconds, default=0):.1f}-"
+                 f"{max(result.error_seconds, default=0):.1f} s after the push began")
+    return line
 
 
 def document(results: list[ScenarioResult], setup: dict[str, Any] | None = None

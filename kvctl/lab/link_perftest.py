@@ -69,9 +69,9 @@ def _attempt(tool: str, args: list[str], state: LabState | None,
 
 
 def write_bw(size: int, iterations: int, state: LabState | None = None,
-             rail: int = 0) -> BandwidthFigures:
+             rail: int = 0, timeout: float = 90, tries: int = 3) -> BandwidthFigures:
     out = run_pair("ib_write_bw", ["-s", str(size), "-n", str(iterations), "--report_gbits"],
-                   state, rail=rail)
+                   state, timeout=timeout, tries=tries, rail=rail)
     return parse_bandwidth(out, size)
 
 

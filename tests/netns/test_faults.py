@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvctl.faults import report
 from kvctl.faults.campaign import Campaign, ScenarioResult, _quantile
 from kvctl.faults.engine import corrupt_bytes, failure
+from kvctl.faults.reference import DEADLINE_FACTOR, DEADLINE_FLOOR, WireReference
 from kvctl.faults.scenarios import SCENARIOS, SHORT, select
 from kvctl.faults.wire import WireFaults
 from kvctl.netns import check_can_run
@@ -161,6 +162,35 @@ def test_the_report_names_errors_slower_than_the_bar_and_says_what_ran(tmp_path:
     assert setup.items() <= doc.items() and doc["scenarios"][0]["seconds"] == 61.0
 
 
+@given(st.one_of(st.none(), st.floats(min_value=0, max_value=1e5)))
+def test_a_push_deadline_follows_the_wire_and_never_falls_below_the_floor(
+        seconds: float | None) -> None:
+    deadline = WireReference("ib_write_bw", 12 << 20, seconds).deadline
+    assert deadline >= DEADLINE_FLOOR
+    if seconds is None:  # a wire the tool could not cross: the floor, and a note why
+        assert deadline == DEADLINE_FLOOR
+    else:
+        assert deadline >= DEADLINE_FACTOR * seconds
+        assert deadline == DEADLINE_FLOOR or deadline == DEADLINE_FACTOR * seconds
+
+
+def test_a_wire_scenario_is_reported_beside_the_plain_tool_on_the_same_wire() -> None:
+    slow = ScenarioResult("delay-reorder", "wire", "verbs", 3, 3, 1, error_seconds=[9.5, 30.1],
+                          reference=WireReference("ib_write_bw", 12 << 20, 77.0))
+    slow.failed_by_class["PeerLost"] = 2
+    text = report.render([slow])
+    assert ("delay-reorder: ib_write_bw moved the push's 12 MiB in 77.00 s on this wire; "
+            "pushes had 154 s; 1/3 delivered byte-exact; the rest ended PeerLost 2, "
+            "9.5-30.1 s after the push began") in text
+    stuck = ScenarioResult("loss-5%", "wire", "verbs", 1, 1, 0, reference=WireReference(
+        "ib_write_bw", 12 << 20, None, "timed out after 300 s"))
+    assert ("ib_write_bw did not move the push's 12 MiB on this wire (timed out after "
+            "300 s); pushes had the 20 s floor") in report.render([stuck])
+    assert stuck.to_dict()["wire_reference"] == {
+        "tool": "ib_write_bw", "bytes": 12 << 20, "seconds": None,
+        "why": "timed out after 300 s", "push_deadline": 20.0}
+
+
 def test_between_namespaces_the_systemd_only_scenarios_say_why_they_do_not_run() -> None:
     from kvctl.faults.deployment import NetnsDeployment
 
@@ -196,6 +226,15 @@ def test_a_short_campaign_between_two_namespaces_is_clean(tmp_path: Path) -> Non
     assert scenarios["pool-full"]["failed_by_class"] == {"PoolFull": 3}
     assert scenarios["kill-receiver"]["restarts"] == 3
     assert scenarios["loss-1%"]["delivered_verified"] == 3
+    # The wire scenario was measured with the plain socket loop on its own
+    # wire first, and its pushes had the deadline that earned.
+    reference = scenarios["loss-1%"]["wire_reference"]
+    assert reference["tool"] == "socket loop" and reference["bytes"] == doc["push_bytes"]
+    assert reference["seconds"] > 0
+    assert reference["push_deadline"] == max(DEADLINE_FLOOR,
+                                             DEADLINE_FACTOR * reference["seconds"])
+    assert "loss-1%: socket loop moved the push's" in done.stdout
+    assert scenarios["pool-full"]["wire_reference"] is None  # not a wire fault
     # A data stream gone silent ends its push, typed, within the bound above
     # (it used to hang with its deadline never firing).
     stalled = scenarios["stalled-stream"]
@@ -207,6 +246,24 @@ def test_a_short_campaign_between_two_namespaces_is_clean(tmp_path: Path) -> Non
     assert set(cancelled["failed_by_class"]) <= {"RequestAborted"}, cancelled
     assert "every scenario clean" in done.stdout
 
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
+def test_the_wire_reference_crosses_the_faulted_wire(tmp_path: Path) -> None:
+    """The socket loop runs between the namespaces on the wire as the fault
+    leaves it: a clean wire is crossed, a dead one is reported, not waited on."""
+    from kvctl.faults.deployment import NetnsDeployment
+
+    with NetnsDeployment(tmp_path) as deployment:
+        clean = deployment.wire_reference(64 << 10, 4)
+        deployment.wire("loss 100%")
+        try:
+            dead = deployment.wire_reference(64 << 10, 4, limit=3)
+        finally:
+            deployment.wire(None)
+    assert clean.seconds is not None and clean.total_bytes == 256 << 10, clean
+    assert (dead.seconds, dead.why, dead.deadline) == (None, "not done in 3 s", DEADLINE_FLOOR)
 
 
 class _ServerOutput:

@@ -72,7 +72,8 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
                     "kvwired.experiments.spec", "kvwired.experiments.plan",
                     "kvwired.discovery.address",
                     "kvwired.discovery.membership", "kvwired.discovery.registry",
-                    "kvwired.experiments.perftest", "kvwired.tracing",
+                    "kvwired.experiments.perftest", "kvwired.experiments.socket_loop",
+                    "kvwired.tracing",
                     # The vLLM connector's plain parts: the proxy's transfer ids,
                     # the demo's local model, push names. Never the parts that
                     # import vLLM.
