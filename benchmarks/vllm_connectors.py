@@ -9,7 +9,9 @@ passes any connector's ``kv_transfer_params``):
 
 - beside each, one engine with no connector (the reference), asked each
   prompt just before: the added TTFT is the median of the paired
-  differences, which a drift of the machine cannot fake;
+  differences, which a drift of the machine cannot fake; it is asked once
+  more through a plain HTTP pass-through (benchmarks/passthrough.py) on
+  the proxy's host, so that what any proxy's hop costs is measured too;
 - ``kvwire``: kvwire's connector and daemons (``kvwire-sequential``: the
   same through the proxy's sequential flow, decode asked after prefill;
   ``kvwire-spin``: its decode engine stepped without pause while it waits,
@@ -171,6 +173,7 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
         for server in servers.values():
             server.wait_ready(timeout=600)
         plain = servers.pop("colocated")
+        passthrough = start_passthrough(stack, pair, plain.url, work / f"{name}-pass.log")
         if name == "mooncake":
             def ask(batch: list[list[int]]) -> list[dict[str, Any]]:
                 return _route(pair, servers)(batch)
@@ -190,12 +193,14 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                 return send(pair, url, batch)
         ask(prompts_of([64, 1000], seed=11))  # warm-up
         send(pair, plain.url, prompts_of([64, 1000], seed=11))
+        send(pair, passthrough, prompts_of([64], seed=11))
         idle = _idle_cores(servers)
         rows: dict[int, list[dict[str, Any]]] = {}
         for length, batch in prompts.items():
             rows[length] = []
             for prompt in batch:
                 [alone] = send(pair, plain.url, [prompt])
+                [relayed] = send(pair, passthrough, [prompt])
                 before = wire_bytes(pair)
                 decode_cpu = servers["decode"].cpu_seconds()
                 [answer] = ask([prompt])
@@ -206,6 +211,7 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                 rows[length].append({
                     "ttft": answer["ttft"], "prefill_ms": answer["prefill_ms"],
                     "tokens": answer["tokens"], "ttft_colocated": alone["ttft"],
+                    "ttft_passthrough": relayed["ttft"],
                     "same": answer["tokens"] == alone["tokens"],
                     "transfer_seconds": push.get("transfer_seconds"),
                     "drain_seconds": push.get("drain_seconds"),
@@ -231,9 +237,36 @@ def timeline_table(result: dict[str, Any]) -> str:
               for length, runs in result["lengths"].items()}
     alone = " / ".join(f"{p50([r['ttft_colocated'] for r in runs]) * 1e3:.1f}"
                        for runs in result["lengths"].values())
+    hop = " / ".join(f"{p50(hops):+.1f}" if hops else "-"
+                     for hops in (_passthrough_hops(runs)
+                                  for runs in result["lengths"].values()))
     return (f"{result.get('shape', 'tp1')}/{result['connector']}: where a request's time went\n"
             + timeline.render(groups)
-            + f"\none engine's time to first token (p50 ms, at the client): {alone}")
+            + f"\none engine's time to first token (p50 ms, at the client): {alone}"
+            + f"\nthe same through a plain pass-through proxy (p50 ms added): {hop}")
+
+
+def _passthrough_hops(runs: list[dict[str, Any]]) -> list[float]:
+    """Per prompt: what a plain proxy's hop added to the plain engine's TTFT (ms)."""
+    return [(r["ttft_passthrough"] - r["ttft_colocated"]) * 1e3 for r in runs
+            if r.get("ttft_passthrough") is not None]
+
+
+def start_passthrough(stack: ExitStack, pair: NetnsPair, upstream: str, log: Path) -> str:
+    """benchmarks.passthrough in front of ``upstream``, on the proxy's host; its URL."""
+    listen = f"{pair.prefill.address}:8001"
+    process = subprocess.Popen(
+        pair.argv(pair.prefill, [sys.executable, "-m", "benchmarks.passthrough", upstream,
+                                 "--listen", listen]),
+        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
+    stack.callback(process.wait)
+    stack.callback(process.terminate)
+    ends = time.monotonic() + 30
+    while "pass-through on" not in log.read_text():
+        if process.poll() is not None or time.monotonic() > ends:
+            raise EngineError(f"the pass-through did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    return f"http://{listen}"
 
 
 def _route(pair: NetnsPair, servers: dict[str, ServeProcess]
@@ -286,6 +319,7 @@ def report(results: list[dict[str, Any]]) -> list[list[object]]:
             rows.append([
                 result.get("shape", "tp1"), result["connector"], length, f"{alone:.0f}",
                 f"{ttft:.0f}", f"{added:+.0f}",
+                f"{p50(hops):+.0f}" if (hops := _passthrough_hops(runs)) else "-",
                 f"{p50(decode_part):.0f}" if decode_part else "-",
                 f"{p50(transfer):.0f}" if transfer else "-",
                 f"{p50(drain):.1f}" if drain else "-",
@@ -298,7 +332,8 @@ def report(results: list[dict[str, Any]]) -> list[list[object]]:
 
 
 HEADERS = ["shape", "connector", "tokens", "TTFT one engine ms", "TTFT ms",
-           "added ms (paired p50)", "decode side ms", "transfer ms", "after last layer ms",
+           "added ms (paired p50)", "a plain proxy adds ms", "decode side ms", "transfer ms",
+           "after last layer ms",
            "hidden", "wire MiB", "idle cores (prefill / decode)",
            "decode engine cores while asked", "same tokens"]
 
