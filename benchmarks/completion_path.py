@@ -18,20 +18,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import time
 
 import uvloop
 
+from kvwired.analysis import percentile
 from kvwired.pool import SharedMemory
 from kvwired.rdma import gid_table
 from kvwired.transport.base import Write
 from kvwired.transport.verbs import VerbsTransport
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def main(iterations: int, idle_seconds: float, spin_us: float) -> dict[str, float]:
@@ -82,11 +77,11 @@ async def main(iterations: int, idle_seconds: float, spin_us: float) -> dict[str
     responder.close()
     return {
         "iterations": iterations,
-        "event_p50_us": statistics.median(event_driven) * 1e6,
-        "event_p99_us": _percentile(event_driven, 0.99) * 1e6,
-        "busy_p50_us": statistics.median(busy) * 1e6,
-        "busy_p99_us": _percentile(busy, 0.99) * 1e6,
-        "added_p50_us": (statistics.median(event_driven) - statistics.median(busy)) * 1e6,
+        "event_p50_us": percentile(event_driven, 50) * 1e6,
+        "event_p99_us": percentile(event_driven, 99) * 1e6,
+        "busy_p50_us": percentile(busy, 50) * 1e6,
+        "busy_p99_us": percentile(busy, 99) * 1e6,
+        "added_p50_us": (percentile(event_driven, 50) - percentile(busy, 50)) * 1e6,
         "idle_cpu_percent": idle_cpu * 100,
         "stream_48mib_gbps": (48 << 20) * 8 / stream_seconds / 1e9,
         "stream_cpu_percent": stream_cpu * 100,

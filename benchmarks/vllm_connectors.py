@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +62,7 @@ from kvctl.vllm.demo import prompts_of, send, transfers
 from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config, start_proxy
 from kvwire_vllm.model import make_model
 from kvwired import tracing
+from kvwired.analysis import percentile
 from kvwired.errors import KvwireError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,7 +299,7 @@ def _idle_cores(servers: dict[str, ServeProcess]) -> dict[str, float]:
 
 
 def p50(values: list[float]) -> float:
-    return statistics.median(values)
+    return percentile(values, 50)
 
 
 def report(results: list[dict[str, Any]]) -> list[list[object]]:

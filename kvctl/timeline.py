@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvwired.analysis import percentile
 from kvwired.errors import UsageError
 from kvwired.tracing import ENV
 
@@ -174,8 +174,8 @@ def breakdown(groups: Mapping[str, Sequence[Timeline]]) -> list[list[object]]:
                           if any(earlier in r.steps for r in requests)), None)
             since = [r.steps[label] - r.steps[above] for r in requests
                      if above is not None and label in r.steps and above in r.steps]
-            cells.append(number(statistics.median(ats) * 1e3, ".1f")
-                         + (f" ({statistics.median(since) * 1e3:+.1f})" if since else ""))
+            cells.append(number(percentile(ats, 50) * 1e3, ".1f")
+                         + (f" ({percentile(since, 50) * 1e3:+.1f})" if since else ""))
         if any(cell != "-" for cell in cells[1:]):
             rows.append(cells)
     return rows
@@ -197,7 +197,7 @@ def summary(requests: Sequence[Timeline]) -> dict[str, dict[str, float]]:
     for label in LABELS:
         ats = sorted(r.steps[label] * 1e3 for r in requests if label in r.steps)
         if ats:
-            out[label] = {"p50": round(statistics.median(ats), 2), "min": round(ats[0], 2),
+            out[label] = {"p50": round(percentile(ats, 50), 2), "min": round(ats[0], 2),
                           "max": round(ats[-1], 2), "requests": len(ats)}
     return out
 

@@ -12,6 +12,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from kvwired.analysis import percentile
+
 COUNTERS = ("pushes", "push_failures", "pushed_bytes", "loads", "load_failures",
             "loaded_tokens", "loaded_bytes")
 
@@ -73,6 +75,6 @@ def summary(data: dict[str, Any]) -> dict[str, int | float]:
     for key in ("push_seconds", "load_seconds"):
         values = sorted(data.get(key, []))
         if values:
-            out[f"{key}_p50"] = round(values[len(values) // 2], 4)
+            out[f"{key}_p50"] = round(percentile(values, 50), 4)
             out[f"{key}_max"] = round(values[-1], 4)
     return out

@@ -32,7 +32,12 @@ KNEE_FRACTION = 0.9
 
 
 def percentile(samples: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile, ``q`` in [0, 100]."""
+    """Nearest-rank percentile, ``q`` in [0, 100]: the smallest sample with at
+    least ``q`` % of the samples at or below it (rank ceil(q/100 x n), at
+    least 1). It is always a measured value: p50 of an even count is the
+    lower of the two middle samples, and a p99 of fewer than 100 samples is
+    the largest. kvwire prints every percentile (and every median) with this
+    one, so a p99 does not depend on which command printed it."""
     if not samples:
         raise ValueError("no samples")
     if not 0 <= q <= 100:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import queue
 import random
 import signal
@@ -26,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvwired.analysis import percentile
 from kvwired.layout import RequestShape
 
 from .deployment import Deployment, EngineHandle
@@ -75,9 +75,9 @@ class ScenarioResult:
             "iterations": self.iterations, "attempted": self.attempted,
             "delivered_verified": self.delivered_verified,
             "failed_by_class": dict(sorted(self.failed_by_class.items())),
-            "error_seconds_p50": _quantile(self.error_seconds, 0.5),
-            "error_seconds_p99": _quantile(self.error_seconds, 0.99),
-            "recovery_seconds_p99": _quantile(self.recovery_seconds, 0.99),
+            "error_seconds_p50": _percentile(self.error_seconds, 50),
+            "error_seconds_p99": _percentile(self.error_seconds, 99),
+            "recovery_seconds_p99": _percentile(self.recovery_seconds, 99),
             "corrupt_bytes": self.corrupt_bytes, "leaked_bytes": self.leaked_bytes,
             "hangs": self.hangs, "untyped_errors": self.untyped_errors,
             "split_outcomes": self.split_outcomes, "decode_not_told": self.not_told,
@@ -88,12 +88,9 @@ class ScenarioResult:
         }
 
 
-def _quantile(values: list[float], q: float) -> float | None:
-    """Nearest-rank quantile: always one of the samples (None: no samples)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+def _percentile(values: list[float], q: float) -> float | None:
+    """kvwired.analysis.percentile, or None for a scenario with no such samples."""
+    return percentile(values, q) if values else None
 
 
 class Engine:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any, TextIO
 from kvwire_vllm.model import SHAPES, make_model
 from kvwire_vllm.shards import transfer_of
 from kvwired import tracing
+from kvwired.analysis import percentile
 from kvwired.errors import KvwireError
 
 from .. import table, timeline
@@ -123,11 +123,6 @@ def transfers(sender: DaemonProcess) -> dict[str, dict[str, Any]]:
             for key in ("transfer_seconds", "drain_seconds"):
                 seen[key] = max(seen[key], entry[key])
     return found
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def vllm_demo(out: TextIO = sys.stdout, results: Path | None = Path("results")) -> dict[str, Any]:
@@ -228,7 +223,7 @@ def _timelines(records: list[dict[str, Any]], traces: Path,
     print("\nwhere a disaggregated request's time went (from its trace: the proxy's, "
           "both engines'):\n" + timeline.render(groups), file=out)
     print("one engine's time to first token (p50 ms, at the client): " + " / ".join(
-        f"{statistics.median(alone[key]):.1f}" for key in groups), file=out)
+        f"{percentile(alone[key], 50):.1f}" for key in groups), file=out)
     return {key: timeline.summary(requests) for key, requests in groups.items()}
 
 
@@ -253,6 +248,6 @@ def _summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "transfer": spread([r["transfer_seconds"] for r in moved]) if moved else ["-"] * 3,
         "drain": spread([r["drain_seconds"] for r in moved]) if moved else ["-"] * 3,
         "hidden_share": 1 - drain / transfer if transfer else 0.0,
-        "added_ttft_ms_p50": statistics.median(
-            (r["ttft_disaggregated"] - r["ttft_colocated"]) * 1e3 for r in records),
+        "added_ttft_ms_p50": percentile(
+            [(r["ttft_disaggregated"] - r["ttft_colocated"]) * 1e3 for r in records], 50),
     }

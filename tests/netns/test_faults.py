@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvctl.faults import report
-from kvctl.faults.campaign import Campaign, ScenarioResult, _quantile
+from kvctl.faults.campaign import Campaign, ScenarioResult
 from kvctl.faults.engine import corrupt_bytes, failure
 from kvctl.faults.reference import DEADLINE_FACTOR, DEADLINE_FLOOR, WireReference
 from kvctl.faults.scenarios import SCENARIOS, SHORT, select
@@ -106,14 +106,6 @@ def test_only_kvwire_subclasses_count_as_typed() -> None:
     assert failure(PeerLost("gone"))["typed"] is True
     assert failure(KvwireError("bare"))["typed"] is False
     assert failure(ValueError("x"))["typed"] is False
-
-
-@given(st.lists(st.floats(0, 1e4, allow_nan=False), min_size=1, max_size=50))
-def test_quantiles_lie_within_the_samples(values: list[float]) -> None:
-    for q in (0.5, 0.99):
-        value = _quantile(values, q)
-        assert value is not None and min(values) <= value <= max(values)
-    assert _quantile([], 0.5) is None
 
 
 def test_scenarios_are_selected_by_name_and_a_wrong_name_says_which_exist() -> None:

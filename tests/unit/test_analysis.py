@@ -28,6 +28,19 @@ def test_percentiles_are_nearest_rank() -> None:
         analysis.percentile([1.0], 101)
 
 
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=1, max_size=300),
+       st.floats(0, 100))
+def test_a_percentile_is_the_smallest_sample_with_q_percent_at_or_below_it(
+        samples: list[float], q: float) -> None:
+    value = analysis.percentile(samples, q)
+    assert value in samples
+    n = len(samples)
+    # Rounded as the rank is: 99.9 % of 1,000 is 999 samples, not 999.0000000000001.
+    needed = round(q * n / 100, 9)
+    assert sum(s <= value for s in samples) >= needed
+    assert sum(s < value for s in samples) < max(needed, 1)
+
+
 def test_latency_is_half_the_round_trip_in_microseconds() -> None:
     lat = analysis.half_rtt_latency([0.000100, 0.000200, 0.000300, 0.000400])
     assert lat.samples == 4
