@@ -31,13 +31,13 @@ import structlog
 from .. import analysis, immediate
 from ..addresses import control_address, free_port
 from ..errors import ConfigError, ExperimentFailed, KvwireError, UsageError
+from ..ports import PeerHandle, ReceiverHost, Report, SenderHost, SessionHandle
 from ..protocol import Message
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
 from ..rdma import pick_gid
 from ..units import format_size, parse_size
 from . import perftest, socket_loop
-from .host import PeerHandle, ReceiverHost, Report, SenderHost, SessionHandle
 
 log = structlog.get_logger("kvwired.experiments.baseline")
 

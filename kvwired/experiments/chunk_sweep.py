@@ -34,6 +34,7 @@ import structlog
 from .. import analysis
 from ..errors import ExperimentFailed, KvwireError, PerftestFailed
 from ..layout import KVLayout
+from ..ports import PeerHandle, Report, SenderHost
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
 from ..rdma import pick_gid
@@ -41,7 +42,6 @@ from ..transport.base import DataChannel
 from ..units import format_size
 from . import baseline, cpu, perftest, socket_loop
 from .echo import EchoInitiator
-from .host import PeerHandle, Report, SenderHost
 from .spec import (
     PERFTEST_MIN_ITERS,
     PERFTEST_TRIES,

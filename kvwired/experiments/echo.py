@@ -31,10 +31,10 @@ import structlog
 from .. import immediate
 from ..errors import ExperimentFailed, KvwireError, ProtocolError, TransportError
 from ..pool import Slot
+from ..ports import Connection, ReceiverHost, SessionHandle
 from ..protocol import Handlers, Message
 from ..protocol import control as ctl
 from ..transport.base import DataChannel, Initiator, Responder, Transport, Write
-from .host import Connection, ReceiverHost, SessionHandle
 
 log = structlog.get_logger("kvwired.experiments.echo")
 

@@ -16,7 +16,7 @@ import contextlib
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -38,6 +38,7 @@ from ..errors import (
 from ..layout import RequestShape
 from ..lifecycle.link import LinkAction, LinkEvent, LinkMachine, LinkState
 from ..metrics import Metrics
+from ..ports import LeaseHolder
 from ..protocol import Error, Handlers, Message
 from ..protocol import control as ctl
 from ..rails import RailHealth
@@ -76,24 +77,6 @@ REPLACEABLE = frozenset({"retry_exceeded", "rnr_retry_exceeded", "connection_los
 def rail_label(rail: str) -> str:
     """A rail as metrics name it: its device, or "default" for the control path's."""
     return rail or "default"
-
-
-class LeaseHolder(Protocol):
-    """Whatever holds one of the receiver's leases on this link."""
-
-    def delivered(self, checksum: int) -> None:
-        """The receiver has every byte and says so."""
-
-    def abort_acked(self) -> None:
-        """The receiver aborted the lease at our request."""
-
-    def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
-        """The receiver aborted the lease, or the link went down."""
-
-    @property
-    def takes_writes(self) -> bool:
-        """Still posting: its writes lost with a failed channel are posted again
-        on the replacement (an abort's drain only waits for them to end)."""
 
 
 class PeerLink:

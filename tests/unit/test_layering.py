@@ -32,6 +32,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "transport": ("kvwired.transport", "kvwired.transport.*"),
     "connections": ("kvwired.control", "kvwired.localsock", "kvwired.gate",
                     "kvwired.discovery.registry", "kvwired.discovery.presence"),
+    "ports": ("kvwired.ports",),
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.receiver.*", "kvwired.sender",
                 "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
@@ -48,13 +49,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "connections": {"base", "model"},
     # The daemons and the experiments are siblings: neither imports the other.
     # The wiring hands experiments to the daemons; experiments see the
-    # daemons only through the protocols of kvwired.experiments.host.
-    "daemons": {"base", "model", "transport", "connections"},
-    "experiments": {"base", "model", "transport", "connections"},
+    # daemons only through the protocols of kvwired.ports, below both.
+    "ports": {"base", "model", "transport", "connections"},
+    "daemons": {"base", "model", "transport", "connections", "ports"},
+    "experiments": {"base", "model", "transport", "connections", "ports"},
     # What engines import knows nothing of the daemons or the data path.
     "client": {"base", "model", "connections"},
-    "wiring": {"base", "model", "transport", "connections", "daemons", "experiments",
-               "client"},
+    "wiring": {"base", "model", "transport", "connections", "ports", "daemons",
+               "experiments", "client"},
     "kvctl": set(),
     # vLLM's connector is an engine: it knows the daemons only as a client does.
     "connector": {"base", "model", "client"},

@@ -1,10 +1,18 @@
-"""The surface of the daemons that experiments may use, as typed protocols.
+"""The ports between sibling packages: one definition of each, as typed protocols.
 
-Experiments import nothing from ``kvwired.sender`` or ``kvwired.receiver``:
-the daemons satisfy these protocols structurally, and mypy checks that they
-do where ``kvwired.cli`` hands the experiments in. Anything an experiment
-needs and does not find here is a change to the daemons' public surface,
-made on purpose.
+The daemons and the experiments never import each other. What one side
+implements and the other calls is declared here, once, below both:
+
+- ``LeaseHolder``: what the sender's link tells whoever holds a receiver's
+  lease (a push, or an experiment's echo lease);
+- the hosts and handles (``SenderHost``, ``PeerHandle``, ``ReceiverHost``,
+  ``SessionHandle``, ``Connection``): the surface of the daemons that
+  experiments may use.
+
+The daemons satisfy these structurally, and mypy checks that they do where
+``kvwired.cli`` hands the experiments in. Anything an experiment needs and
+does not find here is a change to the daemons' public surface, made on
+purpose.
 """
 
 from __future__ import annotations
@@ -12,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
-from ..config import ReceiverConfig, SenderConfig
-from ..errors import KvwireError
-from ..layout import RequestShape
-from ..pool import Pool, Slot
-from ..protocol import Message
-from ..tasks import TaskSet
-from ..transport.base import DataChannel, Responder, Transport
+from .config import ReceiverConfig, SenderConfig
+from .errors import KvwireError
+from .layout import RequestShape
+from .pool import Pool, Slot
+from .protocol import Message
+from .tasks import TaskSet
+from .transport.base import DataChannel, Responder, Transport
 
 Report = Callable[[Message], None]
 A = TypeVar("A", bound=Message)
@@ -37,14 +45,21 @@ class Connection(Protocol):
 
 
 class LeaseHolder(Protocol):
-    def delivered(self, checksum: int) -> None: ...
+    """Whatever holds one of the receiver's leases on a link."""
 
-    def abort_acked(self) -> None: ...
+    def delivered(self, checksum: int) -> None:
+        """The receiver has every byte and says so."""
 
-    def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None: ...
+    def abort_acked(self) -> None:
+        """The receiver aborted the lease at our request."""
+
+    def fail(self, error: KvwireError, *, by_receiver: bool = False) -> None:
+        """The receiver aborted the lease, or the link went down."""
 
     @property
-    def takes_writes(self) -> bool: ...
+    def takes_writes(self) -> bool:
+        """Still posting: its writes lost with a failed channel are posted again
+        on the replacement (an abort's drain only waits for them to end)."""
 
 
 class PeerHandle(Protocol):
