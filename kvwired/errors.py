@@ -23,9 +23,67 @@ daemon that raised it saw it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any, ClassVar
 
 _BY_CODE: dict[str, type[KvwireError]] = {}
+
+
+class FailureStatus(StrEnum):
+    """How a data path failed: a transport error's ``status``, the label of
+    ``kvwire_completion_errors_total`` and ``kvwire_rail_errors_total``, and
+    whether a new data channel under the live control connection can ride
+    the failure out (``replaceable``). The verbs names are libibverbs' work
+    completion statuses; an unknown one is reported as ``status_N``."""
+
+    TRANSPORT_ERROR = "transport_error"  # a failure with no more precise name
+    CONNECTION_LOST = "connection_lost"
+    STALLED = "stalled"  # writes pending, none completing, for the stall bound
+    RAIL_FAILED = "rail_failed"
+    RAIL_LEFT_OUT = "rail_left_out"  # moved off a rail that failed under another channel
+    RETRY_EXCEEDED = "retry_exceeded"
+    RNR_RETRY_EXCEEDED = "rnr_retry_exceeded"
+    REMOTE_ACCESS = "remote_access"
+    REMOTE_OPERATION = "remote_operation"
+    REMOTE_INVALID_REQUEST = "remote_invalid_request"
+    LOCAL_PROTECTION = "local_protection"
+    LOCAL_LENGTH = "local_length"
+    LOCAL_QP_OPERATION = "local_qp_operation"
+    FLUSHED = "flushed"
+    GENERAL = "general"
+
+    @property
+    def replaceable(self) -> bool:
+        """The wire's failure, which a fresh channel can ride out: packets lost
+        for longer than the queue pair's retries, a broken stream, a silent
+        channel, a rail left out, or a responder that refused the request
+        stream (rdma_rxe does, now and then, after retransmitting from the
+        middle of a message: a fresh queue pair starts its sequence clean).
+        A write under a wrong key (remote_access) is a bug or an attack, and
+        a local error is this host's: never ridden out."""
+        return self in _REPLACEABLE
+
+    @property
+    def rail_unanswered(self) -> bool:
+        """The peer did not acknowledge on the channel's rail: the rail is
+        left out until it proves itself again."""
+        return self in (FailureStatus.RETRY_EXCEEDED, FailureStatus.STALLED)
+
+    @classmethod
+    def of(cls, error: BaseException) -> FailureStatus | None:
+        """``error``'s status (transport_error for a failure that is not
+        kvwire's), or None for a name outside this vocabulary."""
+        status = error.status if isinstance(error, KvwireError) else cls.TRANSPORT_ERROR
+        try:
+            return cls(status)
+        except ValueError:
+            return None
+
+
+_REPLACEABLE = frozenset({
+    FailureStatus.TRANSPORT_ERROR, FailureStatus.CONNECTION_LOST, FailureStatus.STALLED,
+    FailureStatus.RAIL_LEFT_OUT, FailureStatus.RETRY_EXCEEDED,
+    FailureStatus.RNR_RETRY_EXCEEDED, FailureStatus.REMOTE_INVALID_REQUEST})
 
 
 class KvwireError(Exception):
@@ -120,33 +178,36 @@ class VersionMismatch(ProtocolError, code="version",
     """The peer speaks another version of the protocol."""
 
 
-class TransportError(KvwireError, code="transport", status="transport_error", retriable=True,
+class TransportError(KvwireError, code="transport", status=FailureStatus.TRANSPORT_ERROR,
+                     retriable=True,
                      hint="the data connection is torn down and rebuilt on the next "
                           "request; the daemons' logs say what failed"):
     """The data path failed: a write did not complete, a connection broke."""
 
 
 class RemoteAccessError(
-        TransportError, code="remote_access", status="remote_access", retriable=False,
+        TransportError, code="remote_access", status=FailureStatus.REMOTE_ACCESS,
+        retriable=False,
         hint="a sender may write only into its own live leases, under each lease's key; "
              "the connection is torn down and rebuilt"):
     """A write outside every range the responder granted (or under a revoked key)."""
 
 
-class PeerLost(TransportError, ConnectionError, code="peer_lost", status="connection_lost",
+class PeerLost(TransportError, ConnectionError, code="peer_lost",
+               status=FailureStatus.CONNECTION_LOST,
                hint="the other daemon stopped or the network between the nodes is down; "
                     "the next request reconnects"):
     """The other daemon went away while work was in flight."""
 
 
-class ChannelStalled(TransportError, code="stalled", status="stalled",
+class ChannelStalled(TransportError, code="stalled", status=FailureStatus.STALLED,
                      hint="the data connection carried nothing while writes were pending "
                           "(packets dropped on the path, a wedged NIC or peer); it is torn "
                           "down and the next request reconnects"):
     """A data channel with writes pending saw none of them complete for the stall bound."""
 
 
-class RailFailed(TransportError, code="rail_failed", status="rail_failed",
+class RailFailed(TransportError, code="rail_failed", status=FailureStatus.RAIL_FAILED,
                  hint="the link is rebuilt on the rails that are left; the failed one is "
                       "tried again after a backoff (kvwire_rail_errors_total counts it)"):
     """A rail (one RDMA device) could not carry a data channel's probe."""

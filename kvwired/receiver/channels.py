@@ -18,7 +18,7 @@ import structlog
 from .. import stripes
 from ..config import ReceiverConfig
 from ..control import MISSED_PINGS
-from ..errors import KvwireError, ProtocolError
+from ..errors import FailureStatus, KvwireError, ProtocolError
 from ..metrics import Metrics
 from ..protocol import control as ctl
 from ..transport import Transport
@@ -128,10 +128,10 @@ class DataChannels:
         if not session.alive or channel >= len(session.responders) \
                 or session.responders[channel] is not responder:
             return  # replaced already, or the session is gone
-        status = getattr(exc, "status", "transport_error")
+        status = getattr(exc, "status", FailureStatus.TRANSPORT_ERROR)
         log.warning("data path failed", sender=session.name, channel=channel, error=str(exc))
         self.metrics.completion_errors.labels(session.label, status).inc()
-        if status == "remote_access" or channel in session.broken:
+        if status == FailureStatus.REMOTE_ACCESS or channel in session.broken:
             session.conn.close()  # ends the session loop, which drops the session
             return
         bound = self.config.heartbeat * MISSED_PINGS

@@ -27,6 +27,7 @@ from ..errors import (
     AuthenticationFailed,
     ChannelStalled,
     DuplicateRequest,
+    FailureStatus,
     KvwireError,
     PeerLost,
     ProtocolError,
@@ -63,15 +64,6 @@ def _req_of(msg: Message) -> str:
     return req
 
 RECONNECT_MAX = 30.0  # seconds between reconnection attempts, at most
-# Failures of one data channel that its replacement can ride out: the wire
-# lost packets for longer than the queue pair's retries, the stream broke,
-# the channel's rail was left out, or the responder refused the request
-# stream (rdma_rxe does, now and then, after retransmitting from the middle
-# of a message: a fresh queue pair starts its sequence clean). A write under
-# a wrong key (remote_access) is a bug or an attack: never ridden out.
-REPLACEABLE = frozenset({"retry_exceeded", "rnr_retry_exceeded", "connection_lost",
-                         "stalled", "transport_error", "remote_invalid_request",
-                         "rail_left_out"})
 
 
 def rail_label(rail: str) -> str:
@@ -119,8 +111,9 @@ class PeerLink:
         # Series that exist from the start, so rates and alerts see zeros.
         metrics.reconnects.labels(name)
         metrics.peer_seen(name)
-        for status in ("connection_lost", "retry_exceeded", "rnr_retry_exceeded",
-                       "remote_access", "stalled"):
+        for status in (FailureStatus.CONNECTION_LOST, FailureStatus.RETRY_EXCEEDED,
+                       FailureStatus.RNR_RETRY_EXCEEDED, FailureStatus.REMOTE_ACCESS,
+                       FailureStatus.STALLED):
             metrics.completion_errors.labels(name, status)
         for result in ("replaced", "failed"):
             metrics.channel_replacements.labels(name, result)
@@ -395,7 +388,8 @@ class PeerLink:
                 raise RailFailed(f"rail {rail} to receiver {self.name} failed its probe: "
                                  f"{exc or 'no completion'}", rail=rail) from exc
             self.rail_health.proven(rail)
-        for status in ("connection_lost", "retry_exceeded", "remote_access"):
+        for status in (FailureStatus.CONNECTION_LOST, FailureStatus.RETRY_EXCEEDED,
+                       FailureStatus.REMOTE_ACCESS):
             self.metrics.rail_errors.labels(self.name, rail_label(rail), status)
         return channel
 
@@ -451,14 +445,14 @@ class PeerLink:
 
     def _replaceable(self, number: int, channel: DataChannel, error: Exception) -> bool:
         """A channel is replaced while the peer is known to be there (the control
-        connection is up) and the failure is the wire's (REPLACEABLE). A path
+        connection is up) and the failure is the wire's (``replaceable``). A path
         that placed nothing for the stall bound, across the channels that
         replaced each other on it, is given up as a silent peer is, unless
         another rail is usable: then the replacement moves there."""
-        status = error.status if isinstance(error, KvwireError) else "transport_error"
+        status = FailureStatus.of(error)
         if (self._control_lost or self.conn is None or self.conn.closed
                 or self.machine.state not in (LinkState.UP, LinkState.RETIRING)
-                or status not in REPLACEABLE or channel not in self.channels):
+                or status is None or not status.replaceable or channel not in self.channels):
             return False
         return (channel.silent_for(time.monotonic()) <= self.stall_bound
                 or self._replacement_rail(number) != self.rails[number])
@@ -534,10 +528,11 @@ class PeerLink:
         return usable[number % len(usable)]
 
     def _count_failure(self, error: Exception, rail: str) -> None:
-        status = error.status if isinstance(error, KvwireError) else "transport_error"
+        status = error.status if isinstance(error, KvwireError) else FailureStatus.TRANSPORT_ERROR
+        known = FailureStatus.of(error)
         self.metrics.completion_errors.labels(self.name, status).inc()
         self.metrics.rail_errors.labels(self.name, rail_label(rail), status).inc()
-        if rail and status in ("retry_exceeded", "stalled"):
+        if rail and known is not None and known.rail_unanswered:
             # The peer did not acknowledge on this rail: rebuilt without it,
             # and its other channels move off it now, not at their next stall.
             self.rail_health.failed(rail, time.monotonic())
@@ -545,7 +540,7 @@ class PeerLink:
                 if self.rails[number] == rail and channel.alive:
                     channel.fail(TransportError(
                         f"data channel {number} to receiver {self.name} moved off rail "
-                        f"{rail}, which was left out", status="rail_left_out"))
+                        f"{rail}, which was left out", status=FailureStatus.RAIL_LEFT_OUT))
         if isinstance(error, TransportError):
             # Named after the receiver: "outgoing data connection closed" alone
             # does not say which of several peers went away.

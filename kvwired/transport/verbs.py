@@ -49,7 +49,7 @@ from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QPAttr, QPCap, QPEx, QPInitAttrEx
 from pyverbs.wr import SGE, RecvWR
 
-from ..errors import RemoteAccessError, TransportError
+from ..errors import FailureStatus, RemoteAccessError, TransportError
 from ..pool import SharedMemory
 from ..rdma import (
     GidEntry,
@@ -120,16 +120,16 @@ def _infiniband_event_fds() -> set[int]:
 
 
 STATUS_NAMES = {
-    e.IBV_WC_RETRY_EXC_ERR: "retry_exceeded",
-    e.IBV_WC_RNR_RETRY_EXC_ERR: "rnr_retry_exceeded",
-    e.IBV_WC_REM_ACCESS_ERR: "remote_access",
-    e.IBV_WC_REM_OP_ERR: "remote_operation",
-    e.IBV_WC_REM_INV_REQ_ERR: "remote_invalid_request",
-    e.IBV_WC_LOC_PROT_ERR: "local_protection",
-    e.IBV_WC_LOC_LEN_ERR: "local_length",
-    e.IBV_WC_LOC_QP_OP_ERR: "local_qp_operation",
-    e.IBV_WC_WR_FLUSH_ERR: "flushed",
-    e.IBV_WC_GENERAL_ERR: "general",
+    e.IBV_WC_RETRY_EXC_ERR: FailureStatus.RETRY_EXCEEDED,
+    e.IBV_WC_RNR_RETRY_EXC_ERR: FailureStatus.RNR_RETRY_EXCEEDED,
+    e.IBV_WC_REM_ACCESS_ERR: FailureStatus.REMOTE_ACCESS,
+    e.IBV_WC_REM_OP_ERR: FailureStatus.REMOTE_OPERATION,
+    e.IBV_WC_REM_INV_REQ_ERR: FailureStatus.REMOTE_INVALID_REQUEST,
+    e.IBV_WC_LOC_PROT_ERR: FailureStatus.LOCAL_PROTECTION,
+    e.IBV_WC_LOC_LEN_ERR: FailureStatus.LOCAL_LENGTH,
+    e.IBV_WC_LOC_QP_OP_ERR: FailureStatus.LOCAL_QP_OPERATION,
+    e.IBV_WC_WR_FLUSH_ERR: FailureStatus.FLUSHED,
+    e.IBV_WC_GENERAL_ERR: FailureStatus.GENERAL,
 }
 
 

@@ -17,6 +17,7 @@ from kvwired.errors import (
     DaemonUnavailable,
     DeadlineExceeded,
     DuplicateRequest,
+    FailureStatus,
     KvwireError,
     PeerLost,
     PoolFull,
@@ -125,3 +126,27 @@ def test_every_error_class_says_what_to_do(cls: type[KvwireError]) -> None:
     error = cls("something went wrong")
     assert error.hint, f"{cls.__name__} has no default hint (class ...(..., hint=\"...\"))"
     assert from_wire(error.to_wire()).hint == error.hint
+
+
+def test_the_wire_failures_a_new_channel_rides_out_and_those_it_never_does() -> None:
+    replaceable = {s for s in FailureStatus if s.replaceable}
+    assert replaceable == {"transport_error", "connection_lost", "stalled", "rail_left_out",
+                           "retry_exceeded", "rnr_retry_exceeded", "remote_invalid_request"}
+    # A write under a wrong key is a bug or an attack; a local error is this host's.
+    for never in ("remote_access", "local_protection", "local_length", "flushed"):
+        assert not FailureStatus(never).replaceable
+    assert {s for s in FailureStatus if s.rail_unanswered} == {"retry_exceeded", "stalled"}
+
+
+def test_an_errors_failure_status_is_read_from_the_error_itself() -> None:
+    assert FailureStatus.of(PeerLost("gone")) is FailureStatus.CONNECTION_LOST
+    assert FailureStatus.of(ChannelStalled("quiet")) is FailureStatus.STALLED
+    assert FailureStatus.of(RemoteAccessError("bad key")) is FailureStatus.REMOTE_ACCESS
+    assert FailureStatus.of(OSError("reset")) is FailureStatus.TRANSPORT_ERROR  # not kvwire's
+    # A verbs status this vocabulary does not name is kept, and never ridden out.
+    unknown = TransportError("odd completion", status="status_99")
+    assert FailureStatus.of(unknown) is None and unknown.status == "status_99"
+    # Every transport error's status is in the vocabulary, and crosses the wire as it.
+    for cls in (TransportError, RemoteAccessError, PeerLost, ChannelStalled):
+        assert isinstance(cls.default_status, FailureStatus)
+        assert from_wire(cls("x").to_wire()).status == cls.default_status
