@@ -180,15 +180,19 @@ class Producer:
     def _commit(self, push: _Push, outgoing: OutgoingPush, n: int) -> None:
         if push.failed:
             return
+        last = n == len(push.group.layer_names) - 1
+        # Recorded before the commit is handed on: once it is, the layer may
+        # land at the decode node before this thread runs again.
+        if n == 0:
+            push.span.add_event("first layer staged")
+        if last:
+            push.span.add_event("last layer staged")
         try:
             outgoing.commit(n)
         except KvwireError as exc:
             self._give_up(push, exc)
             return
-        if n == 0:
-            push.span.add_event("first layer staged")
-        if n == len(push.group.layer_names) - 1:
-            push.span.add_event("last layer staged")
+        if last:
             self._spawn(self._finish(push, outgoing))
 
     def end_step(self) -> None:
