@@ -61,7 +61,9 @@ def _attempt(tool: str, args: list[str], state: LabState | None,
         if "Couldn't connect" not in out + err:
             break
     thread.join(timeout + 10)
-    if code == 137 or code == 124:
+    # `timeout -s KILL` kills its whole process group, itself included: the
+    # node's agent then reports -9 (killed by signal 9), else 137 or 124.
+    if code in (137, 124, -9):
         return out, f"timed out after {timeout:g} s"
     if code != 0 or not server or server[0][0] != 0:
         return out, f"exit {code}: {out}{err}{server[0][1] + server[0][2] if server else ''}"
