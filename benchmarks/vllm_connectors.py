@@ -10,8 +10,10 @@ passes any connector's ``kv_transfer_params``):
 - beside each, one engine with no connector (the reference), asked each
   prompt just before: the added TTFT is the median of the paired
   differences, which a drift of the machine cannot fake; it is asked once
-  more through a plain HTTP pass-through (benchmarks/passthrough.py) on
-  the proxy's host, so that what any proxy's hop costs is measured too;
+  more, a prompt of the same length (not the same: it would come from the
+  engine's prefix cache), through a plain HTTP pass-through
+  (benchmarks/passthrough.py) on the proxy's host, so that what any proxy's
+  hop costs is measured too;
 - ``kvwire``: kvwire's connector and daemons (``kvwire-sequential``: the
   same through the proxy's sequential flow, decode asked after prefill;
   ``kvwire-spin``: its decode engine stepped without pause while it waits,
@@ -193,14 +195,18 @@ def run_one(name: str, pair: NetnsPair, receiver: DaemonProcess, sender: DaemonP
                 return send(pair, url, batch)
         ask(prompts_of([64, 1000], seed=11))  # warm-up
         send(pair, plain.url, prompts_of([64, 1000], seed=11))
-        send(pair, passthrough, prompts_of([64], seed=11))
+        send(pair, passthrough, prompts_of([64], seed=12))
         idle = _idle_cores(servers)
         rows: dict[int, list[dict[str, Any]]] = {}
         for length, batch in prompts.items():
             rows[length] = []
-            for prompt in batch:
+            # The pass-through is asked a prompt of its own, of the same
+            # length: the plain engine caches prefixes, and the one it was
+            # just asked would come back from that cache.
+            siblings = prompts_of([length] * len(batch), seed=900 + length)
+            for prompt, sibling in zip(batch, siblings, strict=True):
                 [alone] = send(pair, plain.url, [prompt])
-                [relayed] = send(pair, passthrough, [prompt])
+                [relayed] = send(pair, passthrough, [sibling])
                 before = wire_bytes(pair)
                 decode_cpu = servers["decode"].cpu_seconds()
                 [answer] = ask([prompt])
