@@ -235,7 +235,7 @@ class LabDeployment:
         try:
             figures = write_bw(write_bytes, writes, self.state, timeout=limit, tries=1)
         except LabError as exc:
-            return WireReference("ib_write_bw", total, None, str(exc).splitlines()[-1])
+            return WireReference("ib_write_bw", total, None, exc.message.splitlines()[-1])
         if figures.gbps <= 0:
             return WireReference("ib_write_bw", total, None, "it reported no bandwidth")
         return WireReference("ib_write_bw", total, total * 8 / (figures.gbps * 1e9))
