@@ -61,7 +61,13 @@ from typing import Any
 from kvctl import table, timeline
 from kvctl.netns import DaemonProcess, NetnsPair, two_hosts
 from kvctl.vllm.demo import prompts_of, send, transfers
-from kvctl.vllm.engines import EngineError, ServeProcess, kv_transfer_config, start_proxy
+from kvctl.vllm.engines import (
+    EngineError,
+    ServeProcess,
+    kv_transfer_config,
+    start_proxy,
+    start_until_it_says,
+)
 from kvwire_vllm.model import make_model
 from kvwired import tracing
 from kvwired.analysis import percentile
@@ -261,17 +267,10 @@ def _passthrough_hops(runs: list[dict[str, Any]]) -> list[float]:
 def start_passthrough(stack: ExitStack, pair: NetnsPair, upstream: str, log: Path) -> str:
     """benchmarks.passthrough in front of ``upstream``, on the proxy's host; its URL."""
     listen = f"{pair.prefill.address}:8001"
-    process = subprocess.Popen(
-        pair.argv(pair.prefill, [sys.executable, "-m", "benchmarks.passthrough", upstream,
-                                 "--listen", listen]),
-        stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=REPO)
-    stack.callback(process.wait)
-    stack.callback(process.terminate)
-    ends = time.monotonic() + 30
-    while "pass-through on" not in log.read_text():
-        if process.poll() is not None or time.monotonic() > ends:
-            raise EngineError(f"the pass-through did not start:\n{log.read_text()}")
-        time.sleep(0.1)
+    start_until_it_says(
+        stack, pair.argv(pair.prefill, [sys.executable, "-m", "benchmarks.passthrough",
+                                        upstream, "--listen", listen]),
+        log, "pass-through on", "the pass-through", cwd=REPO)
     return f"http://{listen}"
 
 

@@ -242,15 +242,28 @@ def start_proxy(stack: contextlib.ExitStack, prefix: Sequence[str], prefill: str
     """``kvctl proxy`` started (behind ``prefix``, e.g. a namespace) and
     stopped with ``stack``; its URL once it listens. ``env``: more environment
     (``KVWIRE_TRACES``, to trace its requests)."""
-    proxy = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill,
-         "--decode", decode, "--listen", listen, "--deadline", str(deadline), "--flow", flow],
-        stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    stack.callback(proxy.wait)
-    stack.callback(proxy.terminate)
-    ends = time.monotonic() + timeout
-    while "kvctl proxy on" not in log.read_text():
-        if proxy.poll() is not None or time.monotonic() > ends:
-            raise EngineError(f"the proxy did not start:\n{log.read_text()}")
-        time.sleep(0.1)
+    start_until_it_says(
+        stack, [*prefix, sys.executable, "-m", "kvctl", "proxy", "--prefill", prefill,
+                "--decode", decode, "--listen", listen, "--deadline", str(deadline),
+                "--flow", flow],
+        log, "kvctl proxy on", "the proxy", timeout, env=env)
     return f"http://{listen}"
+
+
+def start_until_it_says(stack: contextlib.ExitStack, argv: Sequence[str], log: Path,
+                        ready: str, what: str, timeout: float = 30.0,
+                        env: dict[str, str] | None = None,
+                        cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    """``argv`` started, its output into ``log``, and stopped with ``stack``;
+    returned once ``log`` holds ``ready`` (its line saying it listens).
+    ``env``: more environment than this process's."""
+    process = subprocess.Popen(list(argv), stdout=log.open("w"), stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})}, cwd=cwd)
+    stack.callback(process.wait)
+    stack.callback(process.terminate)
+    ends = time.monotonic() + timeout
+    while ready not in log.read_text():
+        if process.poll() is not None or time.monotonic() > ends:
+            raise EngineError(f"{what} did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    return process
