@@ -194,9 +194,9 @@ class NetnsDeployment:
             except subprocess.TimeoutExpired:
                 return WireReference("socket loop", total, None, f"not done in {limit:g} s")
             if done.returncode != 0:
-                return WireReference("socket loop", total, None,
-                                     done.stderr.strip().splitlines()[-1:][0]
-                                     if done.stderr.strip() else f"exit {done.returncode}")
+                # Its last line of error output says why (a traceback's ends with it).
+                why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+                return WireReference("socket loop", total, None, why)
             return WireReference("socket loop", total, float(done.stdout))
         finally:
             server.kill()
