@@ -33,8 +33,9 @@ class LinkEvent(Enum):
 
 
 # FAIL_HOLDERS: every lease holder and every request waiting for an answer fails.
-LinkAction = Enum("LinkAction", "OPEN_CONNECTION START_READING FAIL_HOLDERS "
-                  "CLOSE_CONNECTION SEND_BYE")
+# Opening the connection is not an action: it takes awaits, so ``PeerLink.ensure``
+# does it between CONNECT and CONNECTED (or CONNECT_FAILED), holding its lock.
+LinkAction = Enum("LinkAction", "START_READING FAIL_HOLDERS CLOSE_CONNECTION SEND_BYE")
 
 
 S, E, A = LinkState, LinkEvent, LinkAction
@@ -43,7 +44,7 @@ _LOST = Transition(S.DOWN, (A.CLOSE_CONNECTION, A.FAIL_HOLDERS))
 _GOODBYE = Transition(S.RETIRED, (A.SEND_BYE, A.CLOSE_CONNECTION, A.FAIL_HOLDERS))
 
 LINK_TABLE: dict[tuple[LinkState, LinkEvent], Transition[LinkState, LinkAction]] = {
-    (S.DOWN, E.CONNECT): Transition(S.CONNECTING, (A.OPEN_CONNECTION,)),
+    (S.DOWN, E.CONNECT): Transition(S.CONNECTING),
     (S.CONNECTING, E.CONNECTED): Transition(S.UP, (A.START_READING,)),
     (S.CONNECTING, E.CONNECT_FAILED): Transition(S.DOWN, (A.CLOSE_CONNECTION,)),
     (S.UP, E.LOST): _LOST,

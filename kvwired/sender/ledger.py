@@ -3,7 +3,7 @@ a replaced channel can post them again.
 
 A data channel that fails (a queue pair out of retries, a stream reset) fails
 every post still outstanding on it. Under a live control connection the link
-replaces the channel rather than the whole connection (``PeerLink._replace``);
+replaces the channel rather than the whole connection (``DataChannels._replace``);
 the posts it lost are then posted again, in their order, on the new channel
 and under the leases' new keys. That is safe because a write into a lease is
 idempotent (the same staging bytes to the same place: a layer's staging is

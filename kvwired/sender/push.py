@@ -42,7 +42,8 @@ from ..pool import Pool, Slot
 from ..protocol import control as ctl
 from ..tasks import TaskSet
 from ..transport.base import Write
-from .link import PeerLink, rail_label
+from .channels import rail_label
+from .link import PeerLink
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -62,7 +63,7 @@ class Push:
     lease: int
     remote_offset: int
     # The receiver's keys for this lease's bytes alone, one per channel (a
-    # replaced channel's is changed in place: PeerLink._replace).
+    # replaced channel's is changed in place: DataChannels._replace).
     keys: list[int]
     opened_at: float
     granted_at: float
@@ -138,9 +139,10 @@ class Push:
         self.error = error if by_receiver or self.error is None else self.error
         if by_receiver:
             self.event(PushEvent.RECEIVER_ABORT)
-        else:
-            self.event(PushEvent.LINK_LOST_UNDECIDED if self.last_posted
-                       else PushEvent.LINK_LOST)
+            return
+        event = PushEvent.LINK_LOST_UNDECIDED if self.last_posted else PushEvent.LINK_LOST
+        if self.machine.can(event):  # asking already: its verdict decides
+            self.event(event)
 
     def abort_acked(self) -> None:
         if not self.machine.ended:
@@ -319,32 +321,31 @@ class PushDriver:
         except asyncio.CancelledError:
             return  # an abort stopped the posting; the drain waits for what was posted
         except TransportError as exc:
-            # The channel's failure, named after its receiver: the link goes down.
-            self._link_failed(push, link.failure or exc)
+            # The channel's failure, named after its receiver.
+            self._posting_failed(push, link.failure or exc)
             return
         except KvwireError as exc:
-            self._link_failed(push, exc)
+            self._posting_failed(push, exc)
             return
         except Exception as exc:
             log.exception("internal error driving a push", req=push.req)
-            self._link_failed(push, internal_error(exc, "sender daemon"))
+            self._posting_failed(push, internal_error(exc, "sender daemon"))
             return
         if push.machine.can(PushEvent.ALL_POSTED):
             push.event(PushEvent.ALL_POSTED)
         if push.state is PushState.CONFIRMING:
             self._bound_wait(push, "confirm delivery")
 
-    def _link_failed(self, push: Push, error: KvwireError) -> None:
+    @staticmethod
+    def _posting_failed(push: Push, error: KvwireError) -> None:
+        """Posting ``push`` failed: that push fails, and only it. A failed data
+        channel has already been judged by the link (replaced, or the link
+        lost, which failed every push on it: kvwired.sender.channels), so a
+        push still posting failed on its own (a bug here, say): its lease is
+        aborted, and the receiver's verdict ends it."""
         push.error = push.error or error
-        link = push.link
-        if link.conn is not None:
-            # The data channel died under a live control connection: drop both,
-            # so the receiver voids every lease of this link (and ours fail).
-            link.lost(error if isinstance(error, PeerLost) else PeerLost(
-                f"the data channel to receiver {link.name} failed: {error.message}",
-                hint=error.hint, status=error.status))
-        else:
-            push.fail(error)
+        if push.machine.posting:
+            push.abort(error)
 
     def _bound_wait(self, push: Push, what: str) -> None:
         """A receiver that has every byte answers at once; one that stays
@@ -362,8 +363,13 @@ class PushDriver:
             if state is PushState.CONFIRMING:
                 push.error = error
                 push.abort(error)
-            else:  # no verdict on our abort: the receiver is not following the protocol
-                self._link_failed(push, error)
+            else:
+                # No verdict on our abort: the receiver is not following the
+                # protocol. Dropping its link makes it void every lease of the
+                # link, and fails the pushes on it, this one among them.
+                push.error = push.error or error
+                push.link.lost(error)
+                push.fail(error)  # the link was down already
         push._timers.append(asyncio.get_running_loop().call_later(wait, expired))
 
     @staticmethod

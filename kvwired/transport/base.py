@@ -105,7 +105,7 @@ class DataChannel(ABC):
         """Seconds this channel has had writes pending and seen none complete
         (0 when idle or failed). A stream whose packets are silently dropped
         raises no error of its own, and the control connection beside it
-        stays healthy: this is what tells (see ``PeerLink.check_progress``)."""
+        stays healthy: this is what tells (see ``DataChannels.check_progress``)."""
         if self._error is not None or self.pending_writes == 0:
             return 0.0
         return max(0.0, now - self._progress_at)

@@ -84,7 +84,7 @@ QP_TIMEOUT = 14  # 4.096 us x 2^14 = 67 ms before a retry (``ack_timeout`` sets 
 # and a hardware RNIC as seven retries: either way a dead path is bounded by
 # the link's progress check (a channel that places nothing for the stall
 # bound fails: kvwired.sender.link), and a channel that fails sooner is
-# replaced under the live control connection (PeerLink._replace). With 6,
+# replaced under the live control connection (DataChannels._replace). With 6,
 # rxe spent its budget under 5 % loss within 1.5 s (0.1 to 0.9 s at ack
 # timeout 10), each queue pair placing about one 512 KiB layer before it
 # failed, and a replacement costs 1.6 s on the lab's emulated nodes.

@@ -46,7 +46,7 @@ async def _push_cutting(daemons: LocalDaemons, req: str, cut: list[int]) -> tupl
     receiver's checksum and ours."""
     link = daemons.sender.links["decode"]
     await until(lambda: link.connected, what="connected")
-    post = link.ledger.post
+    post = link.data.ledger.post
     to_cut = set(cut)
 
     def post_then_cut(number: int, channel: DataChannel, writes: Sequence[Write],
@@ -58,7 +58,7 @@ async def _push_cutting(daemons: LocalDaemons, req: str, cut: list[int]) -> tupl
             assert channel.pending_writes > 0
             _cut(channel)
         return posted
-    link.ledger.post = post_then_cut  # type: ignore[method-assign]
+    link.data.ledger.post = post_then_cut  # type: ignore[method-assign]
     payload = bytes(range(256)) * (LAYERS * LAYER_BYTES // 256)
     try:
         async with await SenderClient.connect(daemons.sender_socket) as prefill, \
@@ -73,7 +73,7 @@ async def _push_cutting(daemons: LocalDaemons, req: str, cut: list[int]) -> tupl
             delivered = await decode.wait_delivered(req, 10)
             assert delivered.checksum == result.checksum
     finally:
-        link.ledger.post = post  # type: ignore[method-assign]
+        link.data.ledger.post = post  # type: ignore[method-assign]
     assert not to_cut, "every channel named was cut"
     return result.checksum, checksum.of_buffer(payload, RequestShape(LAYERS, LAYER_BYTES))
 
@@ -135,11 +135,11 @@ async def test_a_remote_access_error_is_never_ridden_out(local: LocalDaemons) ->
     """A write under a wrong key is a bug or an attack, not the wire's doing."""
     link = local.sender.links["decode"]
     await until(lambda: link.connected, what="connected")
-    assert not link._replaceable(0, link.channels[0], RemoteAccessError("wrong key"))
-    assert link._replaceable(0, link.channels[0], PeerLost("outgoing data connection closed"))
+    assert not link.data.replaceable(0, link.channels[0], RemoteAccessError("wrong key"))
+    assert link.data.replaceable(0, link.channels[0], PeerLost("outgoing data connection closed"))
     # rdma_rxe's responder refusing a resent message's sequence: a new queue
     # pair starts it clean.
-    assert link._replaceable(0, link.channels[0], TransportError(
+    assert link.data.replaceable(0, link.channels[0], TransportError(
         "remote invalid request", status="remote_invalid_request"))
 
 

@@ -21,7 +21,7 @@ PACKAGES = ("kvwired", "kvctl", "kvwire_vllm")
 LAYERS: dict[str, tuple[str, ...]] = {
     "base": ("kvwired", "kvwired.errors", "kvwired.units", "kvwired.immediate", "kvwired.addresses",
              "kvwired.tasks", "kvwired.logs", "kvwired.systemd", "kvwired.analysis",
-             "kvwired.stripes", "kvwired.rails", "kvwired.tracing"),
+             "kvwired.stripes", "kvwired.tracing"),
     "model": ("kvwired.layout", "kvwired.checksum", "kvwired.protocol", "kvwired.protocol.*",
               "kvwired.verdicts",
               "kvwired.config",
@@ -88,7 +88,8 @@ KVCTL_MAY_IMPORT = ("kvwired", "kvwired.client", "kvwired.errors", "kvwired.unit
 PARTS: dict[str, tuple[str, ...]] = {
     "kvwired.receiver": ("session", "keys", "leases", "engines", "landing", "channels",
                          "senders", "daemon"),
-    "kvwired.sender": ("ledger", "link", "push", "engines", "daemon"),
+    "kvwired.sender": ("rails", "ledger", "credits", "requests", "holders", "dial", "channels",
+                       "link", "push", "engines", "daemon"),
 }
 
 

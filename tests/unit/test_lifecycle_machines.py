@@ -130,7 +130,7 @@ class LinkAlone(RuleBasedStateMachine):
                 self.link.apply(event)
             return
         actions = self.link.apply(event)
-        if LinkAction.OPEN_CONNECTION in actions:
+        if LinkAction.START_READING in actions:
             self.connection_open = True
         if LinkAction.CLOSE_CONNECTION in actions:
             self.connection_open = False

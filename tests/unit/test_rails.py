@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwired.rails import FIRST_BACKOFF, MAX_BACKOFF, RailHealth
+from kvwired.sender.rails import FIRST_BACKOFF, MAX_BACKOFF, RailHealth
 
 RAILS = ["rxe0", "rxe1", "rxe2"]
 
