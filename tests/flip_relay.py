@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import contextlib
 
-from kvwired.transport.tcp_frames import HEADER, TO_RESPONDER, TOKEN_BYTES, decode_header
+from kvwired.transport.tcp.frames import HEADER, TO_RESPONDER, TOKEN_BYTES, decode_header
 
 
 class Flipper:

@@ -90,6 +90,11 @@ PARTS: dict[str, tuple[str, ...]] = {
                          "senders", "daemon"),
     "kvwired.sender": ("rails", "ledger", "credits", "requests", "holders", "dial", "channels",
                        "link", "push", "engines", "daemon"),
+    # The transports, mirrored by name where they do the same job.
+    "kvwired.transport.verbs": ("send_queue", "device", "completions", "queue_pair", "keys",
+                                "channel", "responder", "transport"),
+    "kvwired.transport.tcp": ("frames", "write_receiver", "keys", "socket_options", "channel",
+                              "responder", "transport"),
 }
 
 

@@ -16,7 +16,7 @@ from kvwired import checksum, immediate
 from kvwired.client import ReceiverClient, SenderClient
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
-from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
+from kvwired.transport.tcp.frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from ..conftest import LocalDaemons, until
 

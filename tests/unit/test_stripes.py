@@ -18,7 +18,7 @@ from kvwired.client import ReceiverClient, SenderClient
 from kvwired.errors import KvwireError
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, FrameDecoder, RawMessage, encode, message
-from kvwired.transport.tcp_frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
+from kvwired.transport.tcp.frames import FLAG_IMM, FLAG_SIGNALED, HEADER, Op, encode_write
 
 from ..conftest import LocalDaemons, start_local, until
 

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvwired.errors import TransportError
-from kvwired.transport.tcp_frames import (
+from kvwired.transport.tcp.frames import (
     FLAG_IMM,
     FLAG_SIGNALED,
     HEADER,

@@ -11,9 +11,9 @@ its own opcodes: anything else is a broken or hostile peer, a
 ``TransportError`` that ends the connection. ``decode_header`` is the only
 place a header is read; ``AnswerDecoder`` is the initiator's whole parser,
 fed bytes as they arrive (h11's ``receive_data``/``next_event``). The
-responder reads payloads straight into the pool, so it calls
-``decode_header`` on its own buffer rather than going through a decoder
-that would own one.
+responder's is ``write_receiver``, which reads payloads straight into the
+pool, so it calls ``decode_header`` on its own buffer rather than going
+through a decoder that would own one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import struct
 from enum import IntEnum
 from typing import NamedTuple
 
-from ..errors import TransportError
+from ...errors import TransportError
 
 HEADER = struct.Struct("<BBxxIIIQQ")
 TOKEN_BYTES = 16  # a data connection's first bytes: its session's token
