@@ -25,7 +25,7 @@ class DaemonLink(Generic[C]):
     async def client(self) -> C:
         """The live connection, connected (again) if there is none."""
         async with self._connecting:
-            if self._client is None or self._client.conn.broken is not None:
+            if self._client is None or self._client.broken is not None:
                 await self.close()
                 self._client = await self._connect()
             return self._client

@@ -37,6 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwired import tracing
+
+# How long past the push's deadline a decode engine waits for the receiver's
+# verdict before it gives up on its own (the receiver decides first): the
+# grace a prefill engine gives its sender daemon's verdict too.
+from kvwired.client import VERDICT_GRACE
 from kvwired.errors import ConfigError, UsageError
 
 from .shards import EngineLayout
@@ -44,9 +49,6 @@ from .shards import EngineLayout
 DEFAULT_DEADLINE = 20.0  # seconds a push may take, prefill's start to delivery
 DEFAULT_IDLE_WAIT = 0.005
 MAX_IDLE_WAIT = 0.1
-# How long past the push's deadline a decode engine waits for the receiver's
-# verdict before it gives up on its own (the receiver decides first).
-VERDICT_GRACE = 2.0
 MAX_DEADLINE = 3600.0
 _TRANSFER = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 

@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "daemons": ("kvwired.daemon", "kvwired.receiver", "kvwired.receiver.*", "kvwired.sender",
                 "kvwired.sender.*"),
     "experiments": ("kvwired.experiments", "kvwired.experiments.*"),
-    "client": ("kvwired.client", "kvwired.slot_maps"),
+    "client": ("kvwired.client", "kvwired.client.*", "kvwired.slot_maps"),
     "wiring": ("kvwired.cli", "kvwired.__main__"),
     "kvctl": ("kvctl", "kvctl.*"),
     "connector": ("kvwire_vllm", "kvwire_vllm.*"),
@@ -90,6 +90,8 @@ PARTS: dict[str, tuple[str, ...]] = {
                          "senders", "daemon"),
     "kvwired.sender": ("rails", "ledger", "credits", "requests", "holders", "dial", "channels",
                        "link", "push", "engines", "daemon"),
+    "kvwired.client": ("results", "connection", "push", "recovery", "sender", "receiver",
+                       "sync"),
     # The transports, mirrored by name where they do the same job.
     "kvwired.transport.verbs": ("send_queue", "device", "completions", "queue_pair", "keys",
                                 "channel", "responder", "transport"),

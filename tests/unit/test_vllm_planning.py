@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from kvwire_vllm import stats
 from kvwire_vllm.params import (
     DEFAULT_DEADLINE,
-    VERDICT_GRACE,
     ConnectorSettings,
     LoadOrder,
     PushOrder,
@@ -38,6 +37,7 @@ from kvwire_vllm.seal import (
     seal_layer,
     transfer_hash,
 )
+from kvwired.client import VERDICT_GRACE
 from kvwired.errors import ConfigError, KvwireError, UsageError
 
 
