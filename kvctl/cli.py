@@ -8,6 +8,7 @@ import json
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvwired.addresses import RECEIVER_METRICS_PORT, SENDER_METRICS_PORT
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--req", help="request id (with --count: ID-0, ID-1, ...); default: "
                       "random")
     push.add_argument("--json", action="store_true", help="one JSON object per push")
+    push.set_defaults(handler=lambda args: asyncio.run(_push(args)))
 
     consume = commands.add_parser("consume", help="stand in for a decode engine: wait for "
                                   "requests, check them, release them")
@@ -83,12 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="check, but do not release: the receiver keeps the requests for "
                          "a decode engine that subscribes within its unclaimed_ttl")
     consume.add_argument("--json", action="store_true", help="one JSON object per request")
+    consume.set_defaults(handler=lambda args: asyncio.run(_consume(args)))
 
     status = commands.add_parser("status", help="health and key figures of daemons")
     status.add_argument("urls", nargs="*", default=DEFAULT_METRICS,
                         help="metrics endpoints (host:port or URL); default: the local "
                         "receiver's and sender's")
     status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=_status)
 
     metrics = commands.add_parser("metrics", help="key figures of both daemons per peer "
                                   "(rates, latency quantiles, credits, errors); --watch: live")
@@ -98,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--interval", type=float, default=2.0,
                          help="seconds between scrapes (rates are over this interval)")
     metrics.add_argument("--json", action="store_true")
+    metrics.set_defaults(handler=_metrics)
 
     from .cluster import add_parser as add_cluster_parser
     from .keys import add_parser as add_keys_parser
@@ -128,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--full", action="store_true",
                       help="lab: also the ping-pong and ib_write_lat beyond 8 MiB (48 MiB: "
                       "about three minutes more)")
+    demo.set_defaults(handler=_demo)
     return parser
 
 
@@ -150,8 +156,13 @@ def _add_proxy_parser(commands: Any) -> None:
         if not needs_ctl_extra(exc):
             raise
         # Listed all the same: running it says what to install.
+        missing = exc
+
+        def needs_extra(args: argparse.Namespace) -> int:
+            raise missing
         commands.add_parser("proxy", help="an OpenAI endpoint in front of disaggregated "
-                                          "vLLM servers (needs kvwire[ctl])")
+                                          "vLLM servers (needs kvwire[ctl])"
+                            ).set_defaults(handler=needs_extra)
         return
     add_parser(commands)
 
@@ -162,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
     except ModuleNotFoundError as exc:
         if not needs_ctl_extra(exc):
             raise
@@ -179,63 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "push":
-        return asyncio.run(_push(args))
-    if args.command == "status":
-        return _status(args)
-    if args.command == "consume":
-        return asyncio.run(_consume(args))
-    if args.command == "metrics":
-        return _metrics(args)
-    if args.command == "run":
-        from .run.cli import run_main
+def _demo(args: argparse.Namespace) -> int:
+    # Each demo's modules (the lab, vLLM's engines) are imported only for it.
+    if args.where == "lab":
+        from .lab.demo import lab_demo
 
-        return run_main(args)
-    if args.command == "probe":
-        from .probe import main as probe_main
+        lab_demo(full=args.full)
+    elif args.where == "vllm":
+        from .vllm.demo import vllm_demo
 
-        return probe_main(args)
-    if args.command == "keys":
-        from .keys import main as keys_main
-
-        return keys_main(args)
-    if args.command == "lab":
-        from .lab.cli import main as lab_main
-
-        return lab_main(args)
-    if args.command == "cluster":
-        from .cluster import main as cluster_main
-
-        return cluster_main(args)
-    if args.command == "proxy":
-        from .vllm.proxy import main as proxy_main
-
-        return proxy_main(args)
-    if args.command == "timeline":
-        from .timeline import main as timeline_main
-
-        return timeline_main(args)
-    if args.command == "netns":
-        from .netns_session import main as netns_main
-
-        return netns_main(args)
-    if args.command == "demo":
-        if args.where == "lab":
-            from .lab.demo import lab_demo
-
-            lab_demo(full=args.full)
-            return 0
-        if args.where == "vllm":
-            from .vllm.demo import vllm_demo
-
-            vllm_demo()
-            return 0
+        vllm_demo()
+    else:
         from .netns_demo import netns_demo
 
         asyncio.run(netns_demo(args.repeat, pairs=args.pairs))
-        return 0
-    return 1
+    return 0
 
 
 async def _push(args: argparse.Namespace) -> int:

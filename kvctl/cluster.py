@@ -25,6 +25,7 @@ def add_parser(commands: Any) -> None:
     cluster = commands.add_parser(
         "cluster", help="the receivers in the etcd registry (discovery), their pool use, "
         "and whether the local sender is connected to them")
+    cluster.set_defaults(handler=main)
     cluster.add_argument("discovery", help="the registry, as in the daemons' config: "
                          "etcd://HOST:PORT/CLUSTER")
     cluster.add_argument("--sender-metrics", default=f"127.0.0.1:{SENDER_METRICS_PORT}",

@@ -183,6 +183,7 @@ def add_parser(commands: Any) -> None:
                       help=f"where the CA lives (default {DEFAULT_DIR})")
     init.add_argument("--cluster", default="kvwire", help="a name for the cluster")
     init.add_argument("--force", action="store_true", help="replace an existing CA")
+    init.set_defaults(handler=_init)
     issue_parser = actions.add_parser(
         "issue", help="a node's key and certificate under the cluster CA (again: rotation)")
     issue_parser.add_argument("name", help="the daemon's `name` in its config")
@@ -193,26 +194,33 @@ def add_parser(commands: Any) -> None:
                               "for the CA's own node); copy the directory to the node's "
                               f"{DEFAULT_DIR}")
     issue_parser.add_argument("--days", type=int, default=365)
+    issue_parser.set_defaults(handler=_issue)
     show = actions.add_parser("show", help="what credentials a directory holds")
     show.add_argument("--dir", type=Path, default=Path(DEFAULT_DIR))
+    show.set_defaults(handler=_show)
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.keys_command == "init":
-        path = init_ca(args.dir, args.cluster, force=args.force)
-        print(f"cluster CA: {path} (its key, {args.dir / CA_KEY_FILE}, stays on this node)")
-    elif args.keys_command == "issue":
-        out = issue(args.dir, args.name, args.role, args.out or args.dir, args.days)
-        print(f"{args.name} ({args.role}): {out / CERT_FILE}, {out / KEY_FILE}, {out / CA_FILE}")
-        if args.out is not None:
-            print(f"copy {out}/ to {DEFAULT_DIR}/ on {args.name}'s node, then "
-                  "`systemctl reload` its daemon")
-    else:
-        info = describe(args.dir)
-        for label in ("ca", "node"):
-            entry = info[label]
-            print(f"{label:5} " + ("(none)" if entry is None else
-                                   " ".join(f"{k}={v}" for k, v in entry.items())))
+def _init(args: argparse.Namespace) -> int:
+    path = init_ca(args.dir, args.cluster, force=args.force)
+    print(f"cluster CA: {path} (its key, {args.dir / CA_KEY_FILE}, stays on this node)")
+    return 0
+
+
+def _issue(args: argparse.Namespace) -> int:
+    out = issue(args.dir, args.name, args.role, args.out or args.dir, args.days)
+    print(f"{args.name} ({args.role}): {out / CERT_FILE}, {out / KEY_FILE}, {out / CA_FILE}")
+    if args.out is not None:
+        print(f"copy {out}/ to {DEFAULT_DIR}/ on {args.name}'s node, then "
+              "`systemctl reload` its daemon")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    info = describe(args.dir)
+    for label in ("ca", "node"):
+        entry = info[label]
+        print(f"{label:5} " + ("(none)" if entry is None else
+                               " ".join(f"{k}={v}" for k, v in entry.items())))
     return 0
 
 

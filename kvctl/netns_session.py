@@ -119,32 +119,46 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                 "left running for engines on this machine")
     verbs = netns.add_subparsers(dest="netns_command", required=True, metavar="ACTION")
     verbs.add_parser("up", help="build the pair, start a receiver and a sender (TCP, mutual "
-                     "TLS); returns once both serve")
+                     "TLS); returns once both serve").set_defaults(handler=_up)
     verbs.add_parser("env", help="shell lines that point engines here at the two daemons: "
-                     "eval \"$(kvctl netns env)\"")
-    verbs.add_parser("status", help="the pair, the daemons and whether they serve")
-    verbs.add_parser("down", help="stop both daemons and remove the namespaces")
+                     "eval \"$(kvctl netns env)\"").set_defaults(handler=_env)
+    verbs.add_parser("status", help="the pair, the daemons and whether they serve"
+                     ).set_defaults(handler=_status)
+    verbs.add_parser("down", help="stop both daemons and remove the namespaces"
+                     ).set_defaults(handler=_down)
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.netns_command == "up":
-        _print(up())
-        return 0
-    if args.netns_command == "down":
-        for line in down():
-            print(line)
-        print("netns pair down")
-        return 0
+def _up(args: argparse.Namespace) -> int:
+    _print(up())
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    for line in down():
+        print(line)
+    print("netns pair down")
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
     current = _read_state()
     if current is None:
-        print("no two-namespace pair (start one with `kvctl netns up`)",
-              file=sys.stderr if args.netns_command == "env" else sys.stdout)
+        print(NO_PAIR, file=sys.stderr)
         return 1
-    if args.netns_command == "env":
-        for name, value in environment(current).items():
-            print(f"export {name}={shlex.quote(value)}")
-        return 0
+    for name, value in environment(current).items():
+        print(f"export {name}={shlex.quote(value)}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    current = _read_state()
+    if current is None:
+        print(NO_PAIR)
+        return 1
     return _print(current)
+
+
+NO_PAIR = "no two-namespace pair (start one with `kvctl netns up`)"
 
 
 def _print(state: dict[str, Any]) -> int:

@@ -308,6 +308,7 @@ def render(result: Probe) -> str:
 
 def add_parser(commands: Any) -> None:
     probe = commands.add_parser("probe", help="RDMA devices, GIDs, memlock and the PCIe link")
+    probe.set_defaults(handler=main)
     probe.add_argument("--dev", default="", help="only this RDMA device")
     probe.add_argument("--to", help="a peer address: show the GID kvwire would use towards it")
     probe.add_argument("--config", action="append", type=Path,

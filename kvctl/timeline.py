@@ -218,6 +218,7 @@ def collect(folder: Path, transfers: Iterable[str], timeout: float = 10.0
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "timeline", help="where traced vLLM requests' time went (spans from KVWIRE_TRACES)")
+    parser.set_defaults(handler=main)
     parser.add_argument("folder", type=Path,
                         help="the folder that the proxy's and engines' KVWIRE_TRACES named")
     parser.add_argument("--transfer", action="append", default=[], metavar="ID",

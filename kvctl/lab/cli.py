@@ -16,44 +16,54 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     lab = commands.add_parser("lab", help="two QEMU nodes with Soft-RoCE on this machine")
     verbs = lab.add_subparsers(dest="lab_command", required=True, metavar="ACTION")
     up = verbs.add_parser("up", help="boot nodes prefill and decode; returns when both are ready")
+    up.set_defaults(handler=_up)
     up.add_argument("--rails", type=int, default=1, metavar="N",
                     help=f"wire NICs per node, each with its own rxe device and subnet "
                          f"(1 to {machine.MAX_RAILS}; default 1)")
-    verbs.add_parser("status", help="nodes, addresses, and the host ports that reach them")
-    verbs.add_parser("down", help="power the nodes off and remove everything of the lab")
+    verbs.add_parser("status", help="nodes, addresses, and the host ports that reach them"
+                     ).set_defaults(handler=_status)
+    verbs.add_parser("down", help="power the nodes off and remove everything of the lab"
+                     ).set_defaults(handler=_down)
     run = verbs.add_parser("exec", help="run a command in a node: kvctl lab exec NODE -- CMD")
+    run.set_defaults(handler=_exec)
     run.add_argument("node", choices=[n.name for n in machine.NODES])
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD ...")
 
 
-def main(args: argparse.Namespace) -> int:
-    if args.lab_command == "up":
-        state = machine.up(rails=args.rails)
-        wires = ", ".join(f"wire{rail}" for rail in range(state.rails))
-        print(f"lab up in {state.booted_seconds:.1f} s (kernel {state.kernel}, software "
-              f"emulation, rdma_rxe on each node's {wires})")
-        _print_nodes(state, {name: "up" for name in state.nodes})
-        return 0
-    if args.lab_command == "status":
-        current, health = machine.status()
-        if current is None:
-            print("no lab (start one with `kvctl lab up`)")
-            return 1
-        _print_nodes(current, health)
-        if not all(h == "up" for h in health.values()):
-            return 1
-        broken = broken_rails(current)
-        for rail in broken:
-            print(f"wire down: {rail} (prefill does not reach decode; "
-                  "`kvctl lab down` and `up` gives a new one)")
-        if not broken:
-            print("every wire passes packets (prefill reaches decode on each)")
-        return 1 if broken else 0
-    if args.lab_command == "down":
-        for line in machine.down():
-            print(line)
-        print("lab down")
-        return 0
+def _up(args: argparse.Namespace) -> int:
+    state = machine.up(rails=args.rails)
+    wires = ", ".join(f"wire{rail}" for rail in range(state.rails))
+    print(f"lab up in {state.booted_seconds:.1f} s (kernel {state.kernel}, software "
+          f"emulation, rdma_rxe on each node's {wires})")
+    _print_nodes(state, {name: "up" for name in state.nodes})
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    current, health = machine.status()
+    if current is None:
+        print("no lab (start one with `kvctl lab up`)")
+        return 1
+    _print_nodes(current, health)
+    if not all(h == "up" for h in health.values()):
+        return 1
+    broken = broken_rails(current)
+    for rail in broken:
+        print(f"wire down: {rail} (prefill does not reach decode; "
+              "`kvctl lab down` and `up` gives a new one)")
+    if not broken:
+        print("every wire passes packets (prefill reaches decode on each)")
+    return 1 if broken else 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    for line in machine.down():
+        print(line)
+    print("lab down")
+    return 0
+
+
+def _exec(args: argparse.Namespace) -> int:
     argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
     if not argv:
         print("kvctl lab exec: give a command after --", file=sys.stderr)

@@ -21,6 +21,7 @@ def add_parsers(commands: Any) -> None:
     sweep = experiments.add_parser(
         "chunk-sweep", help="latency, bandwidth and 48 MiB delivery time per write size")
     _common(sweep)
+    sweep.set_defaults(handler=lambda args: asyncio.run(_chunk_sweep(args)))
     sweep.add_argument("--sizes", type=_sizes, help="comma-separated sizes (default: 512, 2KiB, "
                        "8KiB, 12KiB, 64KiB, 256KiB, 1MiB, 2MiB, 8MiB, 48MiB)")
     sweep.add_argument("--iters", type=int, default=1000,
@@ -43,6 +44,7 @@ def add_parsers(commands: Any) -> None:
     overlap = experiments.add_parser(
         "overlap", help="prefill compute overlapped with transfer (double-buffered)")
     _common(overlap)
+    overlap.set_defaults(handler=lambda args: asyncio.run(_overlap(args)))
     overlap.add_argument("--ratios", type=_floats, default=None,
                          help="Tc/Tx ratios (default 0,0.25,0.5,1,2,4)")
     overlap.add_argument("--layers", type=int, default=24)
@@ -59,6 +61,7 @@ def add_parsers(commands: Any) -> None:
 
     faults = experiments.add_parser(
         "faults", help="a fault campaign: verified pushes, one injected fault at a time")
+    faults.set_defaults(handler=_faults)
     faults.add_argument("--where", choices=["netns", "lab"], default="netns",
                         help="netns: two network namespaces over TCP (root); lab: the lab's "
                         "nodes (kvctl lab up first), verbs over Soft-RoCE, under systemd")
@@ -111,14 +114,10 @@ def _floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
 
 
-def run_main(args: argparse.Namespace) -> int:
-    if args.experiment == "chunk-sweep":
-        return asyncio.run(_chunk_sweep(args))
-    if args.experiment == "faults":
-        from ..faults.cli import run_faults
+def _faults(args: argparse.Namespace) -> int:
+    from ..faults.cli import run_faults  # faults/ sits beside run/: imported when run
 
-        return run_faults(args)
-    return asyncio.run(_overlap(args))
+    return run_faults(args)
 
 
 async def _chunk_sweep(args: argparse.Namespace) -> int:

@@ -313,6 +313,7 @@ def add_parser(commands: Any) -> None:
     proxy = commands.add_parser(
         "proxy", help="an OpenAI endpoint that sends each request to a prefill server, "
                       "then to a decode server with its KV moved by kvwire")
+    proxy.set_defaults(handler=main)
     proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
                        help="prefill servers (vLLM with kvwire's connector as kv_producer)")
     proxy.add_argument("--decode", nargs="+", required=True, metavar="[NAME=]URL",
