@@ -32,6 +32,7 @@ from .deployment import Deployment, EngineHandle
 from .engine import DECODE_PHASES, PREFILL_PHASES
 from .reference import DEADLINE_FLOOR, WireReference
 from .scenarios import Scenario
+from .watch import PushWatch, Release, Strike
 
 HANG = 30.0  # no event from either engine for this long (past the push's deadline): a hang
 RECOVERY_LIMIT = 90.0
@@ -173,59 +174,31 @@ class Campaign:
         engines = {"decode": self._engine("decode", req, seed, events, decode_hold),
                    "prefill": self._engine("prefill", req, seed, events, prefill_hold,
                                            gated=True, extra=prefill_extra)}
-        struck: float | None = None
-        endings: dict[str, dict[str, Any]] = {}
-        verified: dict[str, Any] | None = None
-        hung = False
-        last = time.monotonic()
-        gate_open = opened = False
-        # A push that fails inside the sender before its lease (its staging
-        # full, say) is withdrawn at the receiver, which tells the decode
-        # engine. If that does not arrive within a grace, it counts as "not told".
-        not_told_after: float | None = None
+        watch = PushWatch({role: engine.hold for role, engine in engines.items()},
+                          strikes_at_hold=at_hold is not None, hang=self._hang,
+                          last=time.monotonic(), decode_grace=DECODE_GRACE)
         try:
-            while len(endings) < len(engines):
+            while not watch.done:
                 try:
                     role, at, event = events.get(timeout=1.0)
                 except queue.Empty:
-                    now = time.monotonic()
-                    if (not_told_after is not None and now > not_told_after
-                            and "decode" not in endings):
-                        engines["decode"].kill()
-                        endings["decode"] = {"e": "not-told", "at": now}
-                    elif now - last > self._hang:
-                        hung = True
-                        break
-                    continue
-                last = at
-                engine = engines[role]
-                kind = event["e"]
-                if role == "decode" and kind in ("subscribed", "exit") and not gate_open:
-                    engines["prefill"].release("connected")  # (exit: nobody to wait for)
-                    gate_open = True
-                    if at_hold is None:
-                        struck = time.monotonic()
-                if kind == engine.hold and at_hold is not None and struck is None:
-                    struck = time.monotonic()
-                    at_hold(engine)
-                elif kind == engine.hold:
-                    engine.release()
-                if kind == "verified":
-                    verified = event
-                if kind == "opened":
-                    opened = True
-                if role == "prefill" and kind == "failed" and not opened:
-                    not_told_after = at + DECODE_GRACE
-                if kind in ("finished", "released", "failed", "exit") and role not in endings:
-                    if kind == "exit":
-                        event = {"e": "killed" if engine.killed else "exit"}
-                    endings[role] = {**event, "at": at}
-                    if role == "decode" and verified is not None:
-                        endings[role]["corrupt"] = verified["corrupt"]
+                    actions = watch.tick(time.monotonic())
+                else:
+                    actions = watch.event(role, at, event, time.monotonic(),
+                                          killed=engines[role].killed)
+                for action in actions:
+                    engine = engines[action.role]
+                    if isinstance(action, Release):
+                        engine.release(action.phase)
+                    elif isinstance(action, Strike):
+                        assert at_hold is not None
+                        at_hold(engine)
+                    else:
+                        engine.kill()
         finally:
             for engine in engines.values():
                 engine.reap()
-        return endings, struck, hung
+        return watch.endings, watch.struck, watch.hung
 
     @property
     def _hang(self) -> float:
