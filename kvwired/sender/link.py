@@ -36,7 +36,7 @@ from ..ports import LeaseHolder
 from ..protocol import Error, Handlers, Message
 from ..protocol import control as ctl
 from ..tasks import TaskSet
-from ..transport.base import DataChannel, Transport, Write
+from ..transport.base import DataChannel, Transport
 from ..trust import Trust
 from . import dial
 from .channels import DataChannels
@@ -97,15 +97,6 @@ class PeerLink:
     def channel(self) -> DataChannel | None:
         """The first data channel: the one experiments (echo pings, streams) use."""
         return self.data.first
-
-    @property
-    def failure(self) -> KvwireError | None:
-        """What broke the last data channel, named after this receiver."""
-        return self.data.failure
-
-    @property
-    def stall_bound(self) -> float:
-        return self.data.stall_bound
 
     @property
     def connected(self) -> bool:
@@ -202,7 +193,7 @@ class PeerLink:
                 # stopped or starved: completions that arrived meanwhile are
                 # still unread, so judge the channels on the next tick, not now.
                 if loop.time() - woke <= tick + self.config.heartbeat:
-                    self.check_progress()
+                    self.data.check_progress()
                 self.data.take_rails_back(idle=not self.holders and not self.requests.pending)
             else:
                 try:
@@ -213,11 +204,6 @@ class PeerLink:
                     backoff = min(backoff * 2, RECONNECT_MAX)
             woke = loop.time() + (tick if self.connected else backoff)
             await asyncio.sleep(tick if self.connected else backoff)
-
-    def check_progress(self, bound: float | None = None) -> None:
-        """Fail a data channel that placed nothing for ``bound`` (the stall
-        bound by default) with writes pending: see ``DataChannels``."""
-        self.data.check_progress(bound)
 
     async def ensure(self) -> None:
         async with self._lock:
@@ -382,11 +368,6 @@ class PeerLink:
         sees more immediates there than it has receives posted for."""
         await self._credits.take(channel, lambda: self.connected,
                                  lambda: PeerLost(f"receiver {self.name} went away"))
-
-    def post(self, number: int, writes: list[Write], imm: int | None, lease: int
-             ) -> asyncio.Future[None]:
-        """Post ``writes`` on data channel ``number`` under ``lease``'s key there."""
-        return self.data.post(number, writes, imm, lease)
 
     def attach(self, lease: int, holder: LeaseHolder, keys: list[int] | None = None) -> None:
         """``holder`` holds ``lease``; ``keys`` (one per channel, changed in place

@@ -152,6 +152,53 @@ class Push:
     def takes_writes(self) -> bool:
         return self.machine.posting
 
+    def sent_when_placed(self, parts: list[asyncio.Future[None]], layer: int) -> None:
+        """The engine may reuse a layer's staging once every channel's writes
+        of it are placed: ``on_sent`` then."""
+        left = len(parts)
+
+        def sent(posted: asyncio.Future[None]) -> None:
+            nonlocal left
+            left -= 1
+            if (left == 0 and all(not p.cancelled() and p.exception() is None for p in parts)
+                    and not self.machine.ended and self.on_sent is not None):
+                self.on_sent(layer)
+        for part in parts:
+            part.add_done_callback(sent)
+
+    async def ask_verdict(self, within: float) -> None:
+        """Reconnect and ask the receiver how this push ended (kvwired.verdicts).
+
+        Within ``within`` seconds (``VERDICT_HEARTBEATS`` heartbeats), and
+        without an answer the push fails with the link's error. The link was
+        lost after a silence of four heartbeats, either this process's own (it
+        was stopped: the receiver answers as soon as the link is back) or the
+        receiver's (then another four would only delay the error: a receiver
+        stopped and then killed by its watchdog took 12.5 s to fail in the
+        lab, 6 s of them asking).
+        """
+        lost = self.error
+        answer = await self.link.verdict(self.req, self.lease, within)
+        if self.state is not PushState.ASKING:
+            return
+        verdict = None if answer is None else verdicts.from_message(answer)
+        log.info("receiver's verdict after a lost link", req=self.req, peer=self.link.name,
+                 verdict=verdicts.outcome(verdict))
+        if verdict is None:
+            self.event(PushEvent.VERDICT_UNKNOWN)
+        elif verdict.delivered:
+            if self.error is lost:
+                self.error = None  # the lost link did not stop it: not late
+            self.delivered(verdict.checksum)
+        else:
+            reason = verdict.error
+            # Aborted because the connection was lost: our own account of that
+            # loss (a stalled channel, a deadline) says more than the receiver's.
+            if isinstance(reason, PeerLost) and self.error is not None:
+                reason = self.error
+            assert reason is not None, "an aborted verdict keeps its reason"
+            self.fail(reason, by_receiver=True)
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -288,12 +335,12 @@ class PushDriver:
                     # A channel with no chunk of this batch still announces it.
                     writes = ([Write(base_local + c.offset, base_remote + c.offset, c.length)
                                for c in group] or [Write(base_local, base_remote, 0)])
-                    parts.append(link.post(number, writes, imm, push.lease))
+                    parts.append(link.data.post(number, writes, imm, push.lease))
                     rail = rail_label(link.rails[number])
                     self.metrics.rail_bytes.labels(link.name, rail).inc(
                         sum(c.length for c in group))
                     self.metrics.rail_writes.labels(link.name, rail).inc(len(writes))
-                self._when_all_sent(push, parts, batch.completes_layer)
+                push.sent_when_placed(parts, batch.completes_layer)
                 push.posts.extend(parts)
                 push.post_seconds += time.perf_counter() - started
                 push.writes += len(batch.chunks)
@@ -322,7 +369,7 @@ class PushDriver:
             return  # an abort stopped the posting; the drain waits for what was posted
         except TransportError as exc:
             # The channel's failure, named after its receiver.
-            self._posting_failed(push, link.failure or exc)
+            self._posting_failed(push, link.data.failure or exc)
             return
         except KvwireError as exc:
             self._posting_failed(push, exc)
@@ -372,21 +419,6 @@ class PushDriver:
                 push.fail(error)  # the link was down already
         push._timers.append(asyncio.get_running_loop().call_later(wait, expired))
 
-    @staticmethod
-    def _when_all_sent(push: Push, parts: list[asyncio.Future[None]], layer: int) -> None:
-        """The engine may reuse a layer's staging once every channel's writes
-        of it are placed."""
-        left = len(parts)
-
-        def sent(posted: asyncio.Future[None]) -> None:
-            nonlocal left
-            left -= 1
-            if (left == 0 and all(not p.cancelled() and p.exception() is None for p in parts)
-                    and not push.machine.ended and push.on_sent is not None):
-                push.on_sent(layer)
-        for part in parts:
-            part.add_done_callback(sent)
-
     def _drain(self, push: Push) -> None:
         """POSTS_DONE once no posted write of ``push`` is outstanding.
 
@@ -408,7 +440,7 @@ class PushDriver:
                 # Overshot by more than a heartbeat: this process was stopped or
                 # starved, and completions may sit unread; look again first.
                 if pending and loop.time() - began <= 2 * heartbeat:
-                    push.link.check_progress(heartbeat)
+                    push.link.data.check_progress(heartbeat)
             if push.machine.can(PushEvent.POSTS_DONE):
                 push.event(PushEvent.POSTS_DONE)
         self.tasks.spawn(drained(), f"drain-{push.req}")
@@ -436,44 +468,12 @@ class PushDriver:
             # The push leaves the link's holders: the ask decides it now,
             # whatever becomes of the connection it was posted on.
             link.detach(push.lease)
-            self.tasks.spawn(self._ask_verdict(push), f"ask-{push.req}")
+            self.tasks.spawn(push.ask_verdict(VERDICT_HEARTBEATS * self.config.heartbeat),
+                             f"ask-{push.req}")
         elif action is PushAction.RELEASE_STAGING:
             self.holding.discard(push)
             self.staging.release(push.staging)
             self.update_pool_metrics()
-
-    async def _ask_verdict(self, push: Push) -> None:
-        """Reconnect and ask the receiver how the push ended (kvwired.verdicts).
-
-        Within ``VERDICT_HEARTBEATS`` heartbeats, and without an answer the push
-        fails with the link's error. The link was lost after a silence of four
-        heartbeats, either this process's own (it was stopped: the receiver
-        answers as soon as the link is back) or the receiver's (then another
-        four would only delay the error: a receiver stopped and then killed by
-        its watchdog took 12.5 s to fail in the lab, 6 s of them asking).
-        """
-        link, lost = push.link, push.error
-        answer = await link.verdict(push.req, push.lease,
-                                    VERDICT_HEARTBEATS * self.config.heartbeat)
-        if push.state is not PushState.ASKING:
-            return
-        verdict = None if answer is None else verdicts.from_message(answer)
-        log.info("receiver's verdict after a lost link", req=push.req, peer=link.name,
-                 verdict=verdicts.outcome(verdict))
-        if verdict is None:
-            push.event(PushEvent.VERDICT_UNKNOWN)
-        elif verdict.delivered:
-            if push.error is lost:
-                push.error = None  # the lost link did not stop it: not late
-            push.delivered(verdict.checksum)
-        else:
-            reason = verdict.error
-            # Aborted because the connection was lost: our own account of that
-            # loss (a stalled channel, a deadline) says more than the receiver's.
-            if isinstance(reason, PeerLost) and push.error is not None:
-                reason = push.error
-            assert reason is not None, "an aborted verdict keeps its reason"
-            push.fail(reason, by_receiver=True)
 
     def _ended(self, push: Push) -> None:
         for timer in push._timers:

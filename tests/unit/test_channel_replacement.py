@@ -123,7 +123,7 @@ async def test_a_channel_silent_past_the_stall_bound_is_given_up_not_replaced(
     reconnects = local.sender.metrics.reconnects.labels("decode")
     before = reconnects._value.get()
     channel = link.channels[0]
-    silence = 2 * link.stall_bound
+    silence = 2 * link.data.stall_bound
     channel.silent_for = lambda now: silence  # type: ignore[method-assign]
     channel.fail(PeerLost("outgoing data connection closed"))
     await until(lambda: reconnects._value.get() == before + 1 and link.connected,

@@ -243,3 +243,20 @@ def test_each_test_file_sits_with_what_it_needs() -> None:
             found = {mark for mark in ("netns", "lab") if f"pytest.mark.{mark}" in text}
             assert found == marks, f"{path.name} is marked {found or 'for nothing'}, " \
                                    f"but sits in tests/{group}"
+
+
+MAX_MODULE_LINES = 550
+MAX_CLASS_LINES = 330
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if m.startswith("kvwired")))
+def test_no_daemon_module_or_class_outgrows_one_job(name: str) -> None:
+    """A module past 550 lines or a class past 330 has taken a second job:
+    split it into parts, as the receiver, the sender's link, the transports
+    and the client are."""
+    source = MODULES[name].read_text()
+    assert source.count("\n") <= MAX_MODULE_LINES, f"{name}: split it into parts"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            assert lines <= MAX_CLASS_LINES, f"{name}.{node.name} has {lines} lines"
