@@ -2,7 +2,7 @@
 
 ``kvctl demo netns`` builds two namespaces, runs its pushes and tears
 everything down. ``kvctl netns up`` builds the same pair and leaves the
-receiver and the sender running, so an engine on this machine (the README's
+receiver and the sender running, so an engine on this machine (docs/engines.md's
 example, say) can use them: their unix sockets live in the shared
 filesystem, and ``kvctl netns env`` prints the variables that point the
 client library at them. ``kvctl netns down`` stops both and removes the

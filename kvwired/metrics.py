@@ -3,7 +3,7 @@
 Names follow Prometheus conventions: ``kvwire_`` prefix, base units
 (seconds, bytes), ``_total`` for counters, labels of low cardinality (peer
 names, outcomes, opcodes, completion statuses; never request ids). The
-README's metrics table lists every one.
+docs/metrics.md's table lists every one.
 
 Values the daemon already keeps (credits, writes in flight, connection
 state) are read at scrape time through ``LiveCollector`` rather than

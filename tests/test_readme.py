@@ -1,10 +1,13 @@
-"""README works as written: its Python runs, its shell sessions run, and its
-kvctl synopsis says what ``kvctl --help`` says.
+"""The README and the manual in docs/ work as written: their Python runs,
+their shell sessions run, the kvctl synopsis says what ``kvctl --help``
+says, and every link between the pages leads somewhere.
 
-Every fenced block in README.md says what it is: ``python`` (a program, its
-file name on the first line), ``sh`` (a session, run here line for line) or
-``text`` (sample output, or the synopsis). A new ``sh`` block must be given
-a place to run in ``SESSIONS`` below, or this suite fails.
+Every fenced block in README.md and the docs/ pages says what it is:
+``python`` (a program, its file name on the first line), ``sh`` (a session,
+run here line for line) or ``text`` (sample output, or the synopsis). A new
+``sh`` block must be given a place to run in ``SESSIONS`` below, or this
+suite fails. docs/DESIGN.md is prose about the code: its links are checked,
+its blocks are not run.
 
 This file sorts after test_lab_teardown.py, so the README's lab session
 boots its own lab once the suite's shared one is down.
@@ -29,6 +32,9 @@ from kvctl.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The pages whose examples run: the front page and the manual.
+PAGES = [README, *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "DESIGN.md")]
+LINKED = [*PAGES, ROOT / "docs" / "DESIGN.md"]
 VENV_BIN = str(Path(sys.executable).parent)
 KINDS = {"python", "sh", "text"}
 
@@ -37,7 +43,12 @@ KINDS = {"python", "sh", "text"}
 class Block:
     kind: str
     text: str
-    line: int  # where it starts in README.md, for messages
+    line: int  # where it starts in its page, for messages
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
     @property
     def first_command(self) -> str:
@@ -45,8 +56,13 @@ class Block:
 
 
 def readme_blocks() -> list[Block]:
+    return [block for page in PAGES for block in page_blocks(page)]
+
+
+def page_blocks(page: Path) -> list[Block]:
+    name = str(page.relative_to(ROOT))
     blocks: list[Block] = []
-    lines = README.read_text().splitlines()
+    lines = page.read_text().splitlines()
     opened: tuple[str, int] | None = None
     body: list[str] = []
     for number, line in enumerate(lines, 1):
@@ -57,9 +73,9 @@ def readme_blocks() -> list[Block]:
         if opened is None:
             opened, body = (line[3:].strip(), number), []
         else:
-            blocks.append(Block(opened[0], "\n".join(body) + "\n", opened[1]))
+            blocks.append(Block(opened[0], "\n".join(body) + "\n", opened[1], name))
             opened = None
-    assert opened is None, f"README.md:{opened[1]}: a code block is never closed"
+    assert opened is None, f"{name}:{opened[1]}: a code block is never closed"
     return blocks
 
 
@@ -99,16 +115,54 @@ def test_every_block_says_what_it_is_and_where_it_runs() -> None:
     assert blocks, "README.md has no code blocks?"
     for block in blocks:
         assert block.kind in KINDS, (
-            f"README.md:{block.line}: a code block marked {block.kind!r}; mark it python "
+            f"{block.where}: a code block marked {block.kind!r}; mark it python "
             f"(runs), sh (runs: add it to SESSIONS) or text (output)")
     for block in blocks_of("sh"):
         assert block.first_command in SESSIONS, (
-            f"README.md:{block.line}: shell session {block.first_command!r} runs nowhere; "
+            f"{block.where}: shell session {block.first_command!r} runs nowhere; "
             "say where in tests/test_readme.py SESSIONS")
     for block in blocks_of("python"):
         assert re.match(r"# [\w-]+\.py\b", block.text), (
-            f"README.md:{block.line}: a Python block starts with '# NAME.py', the file a "
+            f"{block.where}: a Python block starts with '# NAME.py', the file a "
             "reader saves it as")
+
+
+def _outside_code(text: str) -> str:
+    """The page without its fenced blocks (what they hold is not markdown)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them."""
+    found = set()
+    for heading in re.findall(r"^#+ (.+)$", _outside_code(page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+        found.add(slug.replace(" ", "-"))
+    return found
+
+
+def test_every_link_between_the_pages_leads_somewhere() -> None:
+    checked = 0
+    for page in LINKED:
+        text = _outside_code(page.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address: not ours to check offline
+            path, _, fragment = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: link to {target}"
+            assert linked.exists(), f"{where}: no such file"
+            if fragment:
+                assert fragment in anchors(linked), f"{where}: no such heading there"
+            checked += 1
+    assert checked >= 10, "the README links to the manual's pages"
+
+
+def test_the_readme_is_a_front_page_and_links_every_page_of_the_manual() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250, "README.md is a front page: move detail to docs/"
+    for page in PAGES[1:]:
+        assert f"(docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
 
 
 def test_the_two_commands_exist() -> None:
@@ -154,10 +208,10 @@ def test_every_make_session_names_real_targets() -> None:
         for line in block.text.splitlines():
             words = line.split("#")[0].split()
             if words:
-                assert words[0] == "make", f"README.md:{block.line}: {line}"
+                assert words[0] == "make", f"{block.where}: {line}"
                 result = subprocess.run(["make", "-n", *words[1:]], cwd=ROOT,
                                         capture_output=True, text=True)
-                assert result.returncode == 0, f"README.md:{block.line}: {result.stderr}"
+                assert result.returncode == 0, f"{block.where}: {result.stderr}"
 
 
 def test_the_kvctl_synopsis_says_what_help_says() -> None:

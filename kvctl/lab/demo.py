@@ -13,7 +13,7 @@ booted it. Each step's output reaches the host as the node prints it.
 
 The demo fits ten minutes of a quiet 2-core host (Soft-RoCE under emulation
 moves 0.1 to 0.3 Gb/s); ``--full`` adds the round trips at 48 MiB. Where
-the time goes, and what was cut: README, "How long, and why".
+the time goes, and what was cut: docs/reading-the-demo.md, "How long, and why".
 """
 
 from __future__ import annotations

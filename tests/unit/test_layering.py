@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import re
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,31 @@ def test_no_daemon_module_or_class_outgrows_one_job(name: str) -> None:
         if isinstance(node, ast.ClassDef):
             lines = (node.end_lineno or node.lineno) - node.lineno + 1
             assert lines <= MAX_CLASS_LINES, f"{name}.{node.name} has {lines} lines"
+
+
+def _map_rows() -> dict[str, set[str]]:
+    """docs/DESIGN.md's map of the code: each folder with the names it lists."""
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    section = text.split("## Map of the code", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = set(re.findall(r"`([^`]+)`", cells[1]))
+    return rows
+
+
+def test_the_design_docs_map_of_the_code_matches_the_tree() -> None:
+    rows = _map_rows()
+    folders = {f"{path.relative_to(ROOT)}/" for pkg in PACKAGES
+               for path in [ROOT / pkg, *(ROOT / pkg).rglob("*")]
+               if path.is_dir() and (path / "__init__.py").exists()}
+    assert set(rows) == folders, "docs/DESIGN.md's map and the tree's packages differ"
+    for folder, listed in rows.items():
+        here = ROOT / folder
+        present = {p.stem for p in here.glob("*.py") if p.name != "__init__.py"}
+        present |= {p.name for p in here.glob("*.sh")}
+        present |= {f"{p.name}/" for p in here.iterdir() if (p / "__init__.py").exists()}
+        assert listed == present, (
+            f"docs/DESIGN.md's map of {folder}: lists {sorted(listed - present)} that are "
+            f"not there, leaves out {sorted(present - listed)}")
