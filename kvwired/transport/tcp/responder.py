@@ -22,7 +22,7 @@ from ..base import Door, ErrorHandler, ImmediateHandler, RemoteRegion, Responder
 from .frames import FLAG_IMM, FLAG_SIGNALED, TOKEN_BYTES, Op, encode_answer
 from .keys import LeaseKeys
 from .socket_options import tune
-from .write_receiver import Landed, WriteReceiver
+from .write_receiver import WriteReceiver
 
 log = structlog.get_logger("kvwired.transport.tcp")
 
@@ -74,6 +74,7 @@ class ResponderProtocol(asyncio.BufferedProtocol):
         # What waits for the write landing in place to end (a revocation:
         # its bytes must not land after the slot is reused).
         self._after_direct: list[Callable[[], None]] = []
+        self._refused_told = False  # a refused write's NAK is sent once
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
@@ -136,18 +137,18 @@ class ResponderProtocol(asyncio.BufferedProtocol):
             self._run_after_direct()
         responder, transport = self._responder, self._transport
         assert responder is not None and transport is not None
-        for event in events:
-            if isinstance(event, Landed):
-                responder.writes_received += 1
-                if event.flags & FLAG_SIGNALED:
-                    transport.write(encode_answer(Op.ACK, event.wr_id))
-                if event.flags & FLAG_IMM:
-                    responder.on_immediate(event.imm)
-            else:
-                log.warning("write refused", address=self._address, error=event.error.message)
-                transport.write(encode_answer(Op.NAK, event.wr_id))
-                transport.close()  # after the NAK is out
-                responder.on_error(event.error)
+        responder.writes_received += len(events)
+        for flags, imm, wr_id in events:
+            if flags & FLAG_SIGNALED:
+                transport.write(encode_answer(Op.ACK, wr_id))
+            if flags & FLAG_IMM:
+                responder.on_immediate(imm)
+        if (refusal := self._writes.refusal) is not None and not self._refused_told:
+            self._refused_told = True
+            log.warning("write refused", address=self._address, error=refusal.error.message)
+            transport.write(encode_answer(Op.NAK, refusal.wr_id))
+            transport.close()  # after the NAK is out
+            responder.on_error(refusal.error)
 
     def when_write_under(self, key: int, then: Callable[[], None]) -> bool:
         """If a write under ``key`` is still landing, run ``then`` once it has."""

@@ -9,7 +9,11 @@ received straight into its place in the pool.
 
 Every write is checked against what its key grants before a byte of it
 lands (``check_access``, which raises ``RemoteAccessError``). A refused
-write is an event; everything after it is dropped.
+write is ``refusal``; everything after it is dropped.
+
+A landed write is a plain tuple, not an object: at 512 B a write, an
+object per write cost the TCP path 10 % of its time (98,304 writes per
+48 MiB, 0.2 us each).
 """
 
 from __future__ import annotations
@@ -29,13 +33,9 @@ SINK_BYTES = 64 * 1024
 CheckAccess = Callable[[int, int, int], None]
 
 
-class Landed(NamedTuple):
-    """A write's bytes are in the pool: acknowledge it if signalled, announce its
-    immediate if it has one (``flags``: the frame's)."""
-
-    flags: int
-    imm: int
-    wr_id: int
+# A write's bytes are in the pool: (flags, imm, wr_id). Acknowledge it if
+# signalled, announce its immediate if it has one (``flags``: the frame's).
+Landed = tuple[int, int, int]
 
 
 class Refused(NamedTuple):
@@ -44,8 +44,6 @@ class Refused(NamedTuple):
     error: RemoteAccessError
     wr_id: int
 
-
-Event = Landed | Refused
 
 
 class WriteReceiver:
@@ -61,10 +59,10 @@ class WriteReceiver:
         # A large payload being received in place: (pool offset, bytes left),
         # and the frame's flags, immediate and wr_id for when it has all come.
         self._direct: tuple[int, int] | None = None
-        self._direct_done = Landed(0, 0, 0)
+        self._direct_done: Landed = (0, 0, 0)
         self._direct_key: int | None = None
         self._large_writes = False  # the last write was large: so is the next, likely
-        self.refused = False  # a write was refused: the rest is dropped
+        self.refusal: Refused | None = None  # a write was refused: the rest is dropped
 
     @property
     def landing_under(self) -> int | None:
@@ -76,7 +74,7 @@ class WriteReceiver:
         if self._direct is not None:
             offset, left = self._direct
             return self._memory[offset : offset + left]
-        if self.refused:
+        if self.refusal is not None:
             return self._bounce[:SINK_BYTES]
         if self._start == self._end:
             self._start = self._end = 0
@@ -92,10 +90,11 @@ class WriteReceiver:
             return self._bounce[self._end : self._start + HEADER.size]
         return self._bounce[self._end :]
 
-    def received(self, nbytes: int) -> list[Event]:
-        """``nbytes`` came into the last ``buffer()``: the writes that ended.
-        Raises ``TransportError`` on a frame no initiator sends."""
-        if self.refused:
+    def received(self, nbytes: int) -> list[Landed]:
+        """``nbytes`` came into the last ``buffer()``: the writes that landed, in
+        order (then ``refusal`` if one was refused). Raises ``TransportError``
+        on a frame no initiator sends."""
+        if self.refusal is not None:
             return []
         if self._direct is not None:
             offset, left = self._direct
@@ -109,17 +108,16 @@ class WriteReceiver:
         self._end += nbytes
         return self._parse()
 
-    def _parse(self) -> list[Event]:
+    def _parse(self) -> list[Landed]:
         view, memory = self._bounce, self._memory
-        events: list[Event] = []
+        events: list[Landed] = []
         while self._end - self._start >= HEADER.size:
             _op, flags, rkey, imm, length, offset, wr_id = decode_header(
                 view, self._start, TO_RESPONDER)
             try:
                 self._check_access(rkey, offset, length)
             except RemoteAccessError as exc:
-                self.refused = True
-                events.append(Refused(exc, wr_id))
+                self.refusal = Refused(exc, wr_id)
                 return events
             body = self._start + HEADER.size
             available = self._end - body
@@ -127,14 +125,14 @@ class WriteReceiver:
             if available >= length:
                 memory[offset : offset + length] = view[body : body + length]
                 self._start = body + length
-                events.append(Landed(flags, imm, wr_id))
+                events.append((flags, imm, wr_id))
                 continue
             if length < DIRECT_THRESHOLD:
                 break  # wait for the rest of a small frame in the bounce buffer
             memory[offset : offset + available] = view[body : self._end]
             self._start = self._end
             self._direct = (offset + available, length - available)
-            self._direct_done = Landed(flags, imm, wr_id)
+            self._direct_done = (flags, imm, wr_id)
             self._direct_key = rkey
             break
         return events
