@@ -128,9 +128,9 @@ class SenderDaemon(Daemon):
                    "receiver are up", ["peer"], [name], float(link.connected))
             yield ("kvwire_credits", "immediates the receiver will still take (its free "
                    "receives, on all data channels)", ["peer"], [name],
-                   float(sum(link.credits) if link.connected else 0))
+                   float(link.data.credits.total if link.connected else 0))
             yield ("kvwire_writes_in_flight", "writes posted and not yet placed remotely",
-                   ["peer"], [name], float(sum(c.pending_writes for c in link.channels)))
+                   ["peer"], [name], float(link.data.pending_writes))
 
     def in_flight(self) -> int:
         return len(self.pushes)
