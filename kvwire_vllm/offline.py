@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -108,6 +109,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         # workers are processes of their own).
         llm.llm_engine.engine_core.shutdown()
         counters = _workers_counters(Path(os.environ[COUNTERS_FOLDER]))
+    # The folder was this run's alone: a suite of runs leaves nothing in /tmp.
+    shutil.rmtree(os.environ.pop(COUNTERS_FOLDER), ignore_errors=True)
     return {"role": role, "outputs": results, "seconds": seconds, "build_seconds": built,
             "counters": counters}
 
