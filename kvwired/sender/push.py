@@ -99,6 +99,15 @@ class Push:
     def state(self) -> PushState:
         return self.machine.state
 
+    def later(self, delay: float, callback: Callable[..., object], *args: object) -> None:
+        """Call ``callback(*args)`` in ``delay`` seconds, unless the push has ended by then."""
+        self._timers.append(asyncio.get_running_loop().call_later(delay, callback, *args))
+
+    def stop_timers(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        self._timers.clear()
+
     def commit(self, layer: int) -> None:
         if self.first_commit_at == 0.0:
             self.first_commit_at = time.monotonic()
@@ -257,10 +266,9 @@ class PushDriver:
         self.update_pool_metrics()
         if deadline is not None:
             push.deadline = opened_at + deadline
-            push._timers.append(asyncio.get_running_loop().call_later(
-                max(0.0, push.deadline - time.monotonic()), push.abort,
-                DeadlineExceeded(f"request {req} missed its {deadline:g} s deadline",
-                                 hint="raise the deadline, or push less at once")))
+            push.later(max(0.0, push.deadline - time.monotonic()), push.abort,
+                       DeadlineExceeded(f"request {req} missed its {deadline:g} s deadline",
+                                        hint="raise the deadline, or push less at once"))
         push.task = self.tasks.spawn(self._post(push), f"push-{req}")
         return push
 
@@ -417,7 +425,7 @@ class PushDriver:
                 push.error = push.error or error
                 push.link.lost(error)
                 push.fail(error)  # the link was down already
-        push._timers.append(asyncio.get_running_loop().call_later(wait, expired))
+        push.later(wait, expired)
 
     def _drain(self, push: Push) -> None:
         """POSTS_DONE once no posted write of ``push`` is outstanding.
@@ -476,8 +484,7 @@ class PushDriver:
             self.update_pool_metrics()
 
     def _ended(self, push: Push) -> None:
-        for timer in push._timers:
-            timer.cancel()
+        push.stop_timers()
         push.outcome_known()
         if self.pushes.get(push.req) is push:
             del self.pushes[push.req]

@@ -122,8 +122,9 @@ class DataChannel(ABC):
         silence goes on counting from the old channel's last progress, so a
         path that stays dead is given up after the stall bound, however many
         times its channel is replaced."""
-        if self.pending_writes > 0 and replaced.silent_for(time.monotonic()) > 0:
-            self._progress_at = replaced._progress_at
+        now = time.monotonic()
+        if self.pending_writes > 0 and (silent := replaced.silent_for(now)) > 0:
+            self._progress_at = now - silent
 
     def report_failure(self, error: Exception) -> None:
         if self.on_failure is not None:

@@ -1,4 +1,5 @@
-"""The import rule of docs/DESIGN.md ("Layers of the code"), checked.
+"""The import rule of docs/DESIGN.md ("Layers of the code"), checked, and beside it
+the rules on a module's size and on private state.
 
 Every import in kvwired/, kvctl/ and kvwire_vllm/ counts: at module level, inside
 functions and under ``TYPE_CHECKING``, because each is a dependency someone
@@ -289,3 +290,40 @@ def test_the_design_docs_map_of_the_code_matches_the_tree() -> None:
         assert listed == present, (
             f"docs/DESIGN.md's map of {folder}: lists {sorted(listed - present)} that are "
             f"not there, leaves out {sorted(present - listed)}")
+
+
+# Private attributes of other libraries that offer no public way to the same
+# thing, each with why.
+FOREIGN_PRIVATE = {
+    "_metrics",  # prometheus_client keeps a labelled metric's children nowhere public
+    "_exit",  # os._exit: a forked child must not run the parent's cleanup
+    "_make",  # a namedtuple's public constructor (the underscore avoids its fields)
+    "_SubParsersAction",  # argparse names no public type for add_subparsers' result
+    "_MISSING_TYPE",  # dataclasses names no public type for its MISSING sentinel
+}
+
+
+def _private_reaches(source: str, where: str) -> list[str]:
+    """Each ``x._name`` in ``source`` where x is not ``self`` or ``cls``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__") and node.attr not in FOREIGN_PRIVATE
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            found.append(f"{where}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_code_reaches_into_another_objects_private_state() -> None:
+    """What one part needs of another is public and documented: an underscore
+    name is read or called only by its own class (or module)."""
+    sources = [path for folder in (*PACKAGES, "benchmarks")
+               for path in sorted((ROOT / folder).rglob("*.py"))]
+    reaches = [reach for path in sources
+               for reach in _private_reaches(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not reaches, "private state reached from outside its class:\n" + "\n".join(reaches)
+
+
+def test_the_private_rule_catches_a_reach() -> None:
+    source = "def peek(push):\n    return push._timers, self_._x, self._fine, cls._also\n"
+    assert _private_reaches(source, "probe") == ["probe:2: ._timers", "probe:2: ._x"]

@@ -72,6 +72,11 @@ class VerbsResponder(Responder):
         return {**qp.endpoint.to_wire(), "rkey": qp.device.mr.rkey, "addr": qp.device.base,
                 "size": self._owner.memory_size}
 
+    def poll_now(self) -> None:
+        """Read whatever completions are there (see ``VerbsDataChannel.poll_now``)."""
+        if self._qp is not None:
+            self._qp.cq.drain()
+
     @property
     def receives_posted(self) -> int:
         # Every consumed receive is re-posted before its immediate is handled.
