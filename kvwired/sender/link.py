@@ -64,7 +64,7 @@ class PeerLink:
         # Channel replacements and best-effort notices: they end with the link.
         self.tasks = TaskSet(f"link {name}")
         self.requests = Requests(name, self.send)
-        self.holders = Holders()
+        self.holders = Holders(self.lost)
         self._credits = Credits()
         self.data = DataChannels(name, config, transport, metrics, self._credits,
                                  self.holders, self.tasks, self.lost, self.requests.ask,

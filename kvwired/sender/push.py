@@ -389,7 +389,7 @@ class PushDriver:
         if push.machine.can(PushEvent.ALL_POSTED):
             push.event(PushEvent.ALL_POSTED)
         if push.state is PushState.CONFIRMING:
-            self._bound_wait(push, "confirm delivery")
+            self._bound_confirmation(push)
 
     @staticmethod
     def _posting_failed(push: Push, error: KvwireError) -> None:
@@ -402,29 +402,19 @@ class PushDriver:
         if push.machine.posting:
             push.abort(error)
 
-    def _bound_wait(self, push: Push, what: str) -> None:
-        """A receiver that has every byte answers at once; one that stays
-        silent has lost track of the request, and the caller hears so."""
+    def _bound_confirmation(self, push: Push) -> None:
+        """A receiver that has every byte confirms at once; one that stays
+        silent has lost track of the request: the push is aborted, and the
+        abort's answer (which the link bounds) decides."""
         wait = self.config.delivery_timeout
-        state = push.state
 
         def expired() -> None:
-            if push.state is not state:
-                return
-            error = PeerLost(
-                f"receiver {push.link.name} has every byte of request {push.req} but did "
-                f"not {what} within {wait:g} s",
-                hint="the receiver's log says why; the request was not delivered")
-            if state is PushState.CONFIRMING:
-                push.error = error
-                push.abort(error)
-            else:
-                # No verdict on our abort: the receiver is not following the
-                # protocol. Dropping its link makes it void every lease of the
-                # link, and fails the pushes on it, this one among them.
-                push.error = push.error or error
-                push.link.lost(error)
-                push.fail(error)  # the link was down already
+            if push.state is PushState.CONFIRMING:
+                push.error = PeerLost(
+                    f"receiver {push.link.name} has every byte of request {push.req} but did "
+                    f"not confirm delivery within {wait:g} s",
+                    hint="the receiver's log says why; the request was not delivered")
+                push.abort(push.error)
         push.later(wait, expired)
 
     def _drain(self, push: Push) -> None:
@@ -465,7 +455,11 @@ class PushDriver:
         elif action is PushAction.SEND_ABORT:
             error = push.error or RequestAborted(f"request {push.req} was aborted")
             link.send(ctl.Abort(req=push.req, lease=push.lease, error=error.to_wire()))
-            self._bound_wait(push, "answer its abort")
+            wait = self.config.delivery_timeout
+            link.holders.owe_answer(push.lease, wait, PeerLost(
+                f"receiver {link.name} did not answer the abort of request {push.req} "
+                f"within {wait:g} s", hint="the link was dropped, which voids every lease "
+                "on it; the receiver's log says why it stayed silent"))
         elif action is PushAction.SEND_ABORT_ACK:
             link.send(ctl.AbortAck(req=push.req, lease=push.lease))
         elif action is PushAction.REPORT_FINISHED:

@@ -35,6 +35,7 @@ from kvwired.errors import (
 )
 from kvwired.layout import RequestShape
 from kvwired.protocol import CONTROL, Error, FrameDecoder, Message, encode, message
+from kvwired.protocol import control as ctl
 
 from ..conftest import LocalDaemons, start_local, until
 
@@ -408,6 +409,35 @@ async def test_receiver_that_never_confirms_fails_the_push_not_hangs(tmp_path: P
     finally:
         await daemons.sender.stop()
         await daemons.receiver.stop()
+
+
+async def test_a_receiver_silent_on_our_abort_loses_its_link_not_our_next_push(
+        tmp_path: Path) -> None:
+    # A receiver that neither confirms a push nor answers its abort has
+    # stopped following the protocol: the push fails, the link is dropped
+    # (which voids the lease on the receiver's side), and the next push
+    # reconnects and is delivered.
+    daemons = await start_local(tmp_path, sender={"delivery_timeout": 0.5})
+    receiver = daemons.receiver
+    complete = receiver.landing.complete
+
+    async def lost_track(lease: object) -> None:
+        return None
+
+    receiver.landing.complete = lost_track  # type: ignore[method-assign]
+    receiver._handlers.on(ctl.Abort, lambda session, msg: None)
+    registry = daemons.sender.metrics.registry
+    try:
+        async with await SenderClient.connect(daemons.sender_socket) as client:
+            with pytest.raises(PeerLost, match=r"did not confirm delivery within 0\.5 s"):
+                await asyncio.wait_for(client.push_bytes("silent", "decode", b"q" * 8192), 10)
+            await until(lambda: receiver.pool.used_bytes == 0, what="the lease voided")
+            receiver.landing.complete = complete  # type: ignore[method-assign]
+            await asyncio.wait_for(client.push_bytes("next", "decode", b"n" * 8192), 10)
+        assert registry.get_sample_value("kvwire_reconnects_total", {"peer": "decode"}) == 1
+    finally:
+        await daemons.sender.stop()
+        await receiver.stop()
 
 
 async def test_a_receiver_gone_counts_one_data_path_failure_whichever_end_is_seen_first(

@@ -16,6 +16,8 @@ from kvwired.sender.credits import Credits
 from kvwired.sender.holders import Holders
 from kvwired.sender.requests import Requests
 
+from ..conftest import until
+
 # ------------------------------------------------------------------ credits
 
 CHANNELS = 3
@@ -214,7 +216,7 @@ class Holder:
 
 
 async def test_a_leases_news_goes_to_its_holder_and_none_to_a_lease_not_held() -> None:
-    holders = Holders()
+    holders = Holders(lambda error: None)
     one, two = Holder(), Holder(takes_writes=False)
     holders.attach(1, one, [10, 11])
     holders.attach(2, two, [20, 21])
@@ -229,7 +231,7 @@ async def test_a_leases_news_goes_to_its_holder_and_none_to_a_lease_not_held() -
 
 
 async def test_a_replaced_channel_rekeys_the_leases_in_place() -> None:
-    holders = Holders()
+    holders = Holders(lambda error: None)
     keys = [10, 11]
     holders.attach(1, Holder(), keys)
     holders.rekey(1, {1: 111, 5: 555})
@@ -237,7 +239,7 @@ async def test_a_replaced_channel_rekeys_the_leases_in_place() -> None:
 
 
 async def test_unheld_waits_for_the_last_holder_and_the_links_end_fails_them_all() -> None:
-    holders = Holders()
+    holders = Holders(lambda error: None)
     one, two = Holder(), Holder()
     holders.attach(1, one)
     holders.attach(2, two)
@@ -250,3 +252,32 @@ async def test_unheld_waits_for_the_last_holder_and_the_links_end_fails_them_all
     holders.detach(2)
     await asyncio.wait_for(waiting, 5)
     assert not holders
+
+
+async def test_an_abort_left_unanswered_loses_the_link_and_an_answer_stops_the_clock() -> None:
+    lost: list[str] = []
+    holders = Holders(lambda error: lost.append(error.message))
+    answered, ignored, detached = Holder(), Holder(), Holder()
+    for lease, holder in ((1, answered), (2, ignored), (3, detached)):
+        holders.attach(lease, holder)
+        holders.owe_answer(lease, 0.05, PeerLost(f"no answer on {lease}"))
+    holders.abort_acked(1)
+    holders.detach(3)
+    # Equal bounds end in the same turn of the loop: once lease 2's silence
+    # is heard, 1's and 3's bounds are past too.
+    await until(lambda: bool(lost), what="the silence noticed")
+    assert lost == ["no answer on 2"]
+
+
+async def test_a_lost_link_owes_no_answers_any_more() -> None:
+    lost: list[str] = []
+    holders = Holders(lambda error: lost.append(error.message))
+    holders.attach(1, Holder())
+    holders.owe_answer(1, 0.05, PeerLost("no answer"))
+    holders.fail_all(PeerLost("receiver decode went away"))
+    # A second link's bound, set after the first's, ends after it.
+    later = Holders(lambda error: lost.append("the second link's bound"))
+    later.attach(1, Holder())
+    later.owe_answer(1, 0.05, PeerLost("no answer"))
+    await until(lambda: bool(lost), what="the second bound past")
+    assert lost == ["the second link's bound"]
