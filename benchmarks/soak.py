@@ -50,6 +50,7 @@ import numpy as np
 
 from kvctl import table
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, scrape_in, two_hosts
+from kvctl.processes import holdings
 from kvctl.push import push_one
 from kvwired.addresses import DEFAULT_CONTROL_PORT, RECEIVER_METRICS_PORT, SENDER_METRICS_PORT
 from kvwired.client import ReceiverClient, SenderClient
@@ -114,16 +115,6 @@ class KindRun:
     seconds: float = 0.0
 
 
-def proc_figures(pid: int) -> dict[str, float]:
-    status = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        status[name] = value.split()
-    return {"rss MiB": int(status["VmRSS"][0]) / 1024,
-            "anon MiB": int(status["RssAnon"][0]) / 1024,
-            "fds": float(len(list(Path(f"/proc/{pid}/fd").iterdir())))}
-
-
 def read_daemons(pair: NetnsPair, daemons: dict[str, tuple[DaemonProcess, int]]
                  ) -> dict[str, float]:
     figures: dict[str, float] = {}
@@ -131,7 +122,9 @@ def read_daemons(pair: NetnsPair, daemons: dict[str, tuple[DaemonProcess, int]]
         assert daemon.process is not None
         host = pair.decode if role == "receiver" else pair.prefill
         status = scrape_in(pair, host, port)
-        own = proc_figures(daemon.process.pid)
+        held = holdings(daemon.process.pid)
+        own = {"rss MiB": held.rss_bytes / 2**20, "anon MiB": held.anon_bytes / 2**20,
+               "fds": float(held.fds)}
         own["tasks"] = status.total("kvwire_event_loop_tasks")
         own["series"] = float(len(status.samples))
         figures |= {f"{role} {name}": value for name, value in own.items()}

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.netns import DaemonProcess, NetnsPair, check_can_run, scrape_in, two_hosts
+from kvctl.processes import holdings
 
 _why_not = check_can_run()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(_why_not is not None, reason=_why_not or "")]
@@ -48,13 +49,6 @@ print(json.dumps({"all_closed_after": time.monotonic() - started}), flush=True)
 """
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
 @pytest.fixture
 def hosts(tmp_path: Path) -> Iterator[tuple[NetnsPair, DaemonProcess, DaemonProcess]]:
     with two_hosts(tmp_path, receiver={"handshake_timeout": HANDSHAKE_TIMEOUT},
@@ -67,7 +61,7 @@ def test_hundreds_of_idle_connections_are_bounded_cut_off_and_counted(
     pair, rx, tx = hosts
     assert rx.process is not None
     pid = rx.process.pid
-    before = _rss(pid)
+    before = holdings(pid).rss_bytes
     idler = subprocess.Popen(
         pair.argv(pair.prefill, [sys.executable, "-c", IDLER, pair.decode.address,
                                  "7471,7472", str(IDLE)]),
@@ -75,7 +69,7 @@ def test_hundreds_of_idle_connections_are_bounded_cut_off_and_counted(
     try:
         assert idler.stdout is not None and idler.stdin is not None
         assert idler.stdout.readline().strip() == "open"
-        during = _rss(pid)
+        during = holdings(pid).rss_bytes
         idler.stdin.write("go\n")
         idler.stdin.flush()
         result = json.loads(idler.stdout.readline())
