@@ -128,12 +128,15 @@ class ResponderProtocol(asyncio.BufferedProtocol):
             if self._token_got == TOKEN_BYTES:
                 self._bind(bytes(self._token))
             return
+        writes = self._writes
         try:
-            events = self._writes.received(nbytes)
+            events = writes.received(nbytes)
         except TransportError as exc:
             self._fail(exc)
             return
-        if self._after_direct and self._writes.landing_under is None:
+        if not events and writes.refusal is None:
+            return  # the common call: part of a payload, or of a header
+        if self._after_direct and writes.landing_under is None:
             self._run_after_direct()
         responder, transport = self._responder, self._transport
         assert responder is not None and transport is not None
@@ -143,7 +146,7 @@ class ResponderProtocol(asyncio.BufferedProtocol):
                 transport.write(encode_answer(Op.ACK, wr_id))
             if flags & FLAG_IMM:
                 responder.on_immediate(imm)
-        if (refusal := self._writes.refusal) is not None and not self._refused_told:
+        if (refusal := writes.refusal) is not None and not self._refused_told:
             self._refused_told = True
             log.warning("write refused", address=self._address, error=refusal.error.message)
             transport.write(encode_answer(Op.NAK, refusal.wr_id))
