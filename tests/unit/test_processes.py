@@ -22,7 +22,7 @@ def test_holdings_count_what_the_process_holds() -> None:
         os.close(write)
     assert 0 < after.anon_bytes <= after.rss_bytes
     assert after.anon_bytes - before.anon_bytes >= 60 * 2**20
-    assert after.fds == before.fds + 2
+    assert after.fds >= before.fds + 2  # the pipe (other threads may open more)
     del held
 
 
