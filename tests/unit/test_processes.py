@@ -30,6 +30,6 @@ def test_a_reaped_process_is_not_alive() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)
     assert alive(child.pid)
-    holdings(child.pid)  # another process's, readable
+    assert holdings(child.pid).fds >= 3  # another process's: its stdin, stdout, stderr
     child.communicate(b"")
     assert not alive(child.pid)
