@@ -25,6 +25,7 @@ from .discovery.presence import Presence
 from .errors import KvwireError
 from .localsock import ClientHandler, close_quietly, local_session, reject, serve_unix
 from .metrics import LiveSample, Metrics
+from .pool import Pool
 from .protocol import Channel, Message
 from .systemd import Notifier
 from .tasks import TaskSet
@@ -65,6 +66,7 @@ class Daemon(ABC):
         self.tasks = TaskSet(self.role)
         # Set whenever in-flight work may have ended: a drain waits on it.
         self._work_ended = asyncio.Event()
+        self._pools: list[Pool] = []  # freed last by stop(), once peers are gone
 
     def _load_trust(self) -> None:
         """The credentials, before any port opens (``auth = "none"``: none, loudly)."""
@@ -131,6 +133,12 @@ class Daemon(ABC):
         if self.presence is not None:
             self.tasks.spawn(self.presence.leave(), "registry-leave")
 
+    def own(self, pool: Pool) -> Pool:
+        """``pool`` goes back to the system when the daemon stops: a daemon run
+        in-process (tests, benchmarks) frees its memory, not only one that exits."""
+        self._pools.append(pool)
+        return pool
+
     def serve_metrics(self) -> None:
         self.metrics_port = self.metrics.serve(*parse_address(self.config.metrics, 0))
 
@@ -189,6 +197,8 @@ class Daemon(ABC):
         await self.say_goodbye()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
+        for pool in self._pools:
+            pool.close()
 
 
 async def run(daemon: Daemon, reload_config: Callable[[], CommonConfig] | None = None) -> None:

@@ -116,9 +116,15 @@ class SharedMemory:
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
-        self.view.release()
-        self.map.close()
-        os.close(self.fd)
+        """Give the memory back: the descriptor now, and the mapping unless a
+        view of it is still held somewhere (then when the pool is dropped,
+        or at a later close()). Safe to call again."""
+        with contextlib.suppress(BufferError):
+            self.view.release()
+            self.map.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def map_shared_fd(fd: int, size: int, *, writable: bool) -> mmap.mmap:

@@ -158,8 +158,8 @@ class ReceiverDaemon(Daemon):
 
     async def start(self) -> None:
         cfg = self.config
-        self._pool = Pool(cfg.pool_size, "receive", full_hint=(
-            "decode engines must release delivered requests; or raise pool_size"))
+        self._pool = self.own(Pool(cfg.pool_size, "receive", full_hint=(
+            "decode engines must release delivered requests; or raise pool_size")))
         await self.transport.start(self.pool.memory)
         host, port = control_address(cfg.listen)
         try:

@@ -99,8 +99,8 @@ class SenderDaemon(Daemon):
 
     async def start(self) -> None:
         cfg = self.config
-        self._staging = Pool(cfg.staging_size, "staging", "staging_size", full_hint=(
-            "each push holds staging memory until delivered; raise staging_size"))
+        self._staging = self.own(Pool(cfg.staging_size, "staging", "staging_size", full_hint=(
+            "each push holds staging memory until delivered; raise staging_size")))
         self._driver = PushDriver(cfg, self._staging, self.metrics, self.work_ended)
         await self.transport.start(self._staging.memory)
         if self.transport.name == "verbs":
