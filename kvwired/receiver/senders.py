@@ -11,6 +11,7 @@ aborted (kvwired.receiver.leases).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 
 import structlog
@@ -65,12 +66,15 @@ class Senders:
         conn = ControlConnection(reader, writer, self.config.heartbeat, "sender")
         address = conn.peer_address
         session = SenderSession(conn)
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.gate.timeout):
                 await self._handshake(session, address)
         except TimeoutError:
+            # Which step it stalled in tells a slow node from a mute peer.
             self.gate.refuse(address, "timeout",
-                             f"no hello and connect within {self.gate.timeout:g} s")
+                             f"handshake not done within {self.gate.timeout:g} s: still "
+                             f"{session.handshake_step}")
             conn.close()
             return
         except PeerLost as exc:
@@ -93,6 +97,9 @@ class Senders:
             self.drop(session, exc if isinstance(exc, PeerLost) else
                       PeerLost(f"sender {session.name} dropped: {exc}"))
 
+        log.info("sender connected", sender=session.name, peer=address,
+                 authenticated=self.trust is not None,
+                 seconds=round(time.monotonic() - started, 3))
         self.metrics.peer_seen(session.label)
         self.sessions.add(session)
         self.metrics.peers.set(len(self.sessions))
@@ -101,6 +108,7 @@ class Senders:
 
     async def _handshake(self, session: SenderSession, address: str) -> None:
         conn = session.conn
+        session.handshake_step = "waiting for its hello"
         hello = await conn.recv(self.gate.timeout)
         if not isinstance(hello, ctl.Hello):
             raise ProtocolError(f"expected a sender's hello, got {hello.kind!r}")
@@ -122,12 +130,12 @@ class Senders:
             )
         conn.send(ctl.Welcome(name=self.config.name, transport=self.transport_name,
                               credits=self.config.credits))
+        session.handshake_step = "waiting for its connect (welcome sent)"
         connect = await conn.recv(self.gate.timeout)
         if not isinstance(connect, ctl.Connect):
             raise ProtocolError(f"expected connect, got {connect.kind!r}")
+        session.handshake_step = "opening its first data channel"
         await self.channels.add(session, connect)
-        log.info("sender connected", sender=session.name, peer=conn.peer_address,
-                 authenticated=self.trust is not None)
 
     def _authorize(self, conn: ControlConnection, name: str, address: str) -> None:
         """The hello's name must be the certificate's, and one this receiver accepts."""

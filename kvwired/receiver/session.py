@@ -24,6 +24,7 @@ class SenderSession:
     # Credits to hand back, per channel: each channel's receives are its own.
     credits_to_return: dict[int, int] = field(default_factory=dict)
     alive: bool = True
+    handshake_step: str = "waiting for its hello"  # while it handshakes: what it owes
     writes_counted: int = 0
     # Channels whose responder failed, each waiting (a timer, the stall bound)
     # for the sender to replace it before the whole session is dropped.
