@@ -21,6 +21,8 @@ from kvwired.receiver import ReceiverDaemon
 from kvwired.sender import SenderDaemon
 from kvwired.trust import Trust
 
+from .hangs import pytest_timeout_cancel_timer as pytest_timeout_cancel_timer
+from .hangs import pytest_timeout_set_timer as pytest_timeout_set_timer
 from .leftovers import MARK, reap_leftovers
 from .waiting import until as until  # the tests' one wait, re-exported
 
