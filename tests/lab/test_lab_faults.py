@@ -21,7 +21,7 @@ SCENARIOS = ["kill-sender", "memlock-receiver"]
 
 
 # Its own bound (the campaign's 1,500 s) and room to report past it; every
-# other test has pyproject.toml's.
+# other test has pyproject.toml's 1,200 s.
 @pytest.mark.timeout(1800)
 def test_a_short_campaign_in_the_lab_is_clean(lab: LabState, tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "kvctl", "run", "faults", "--where", "lab",
