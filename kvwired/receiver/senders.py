@@ -108,7 +108,6 @@ class Senders:
 
     async def _handshake(self, session: SenderSession, address: str) -> None:
         conn = session.conn
-        session.handshake_step = "waiting for its hello"
         hello = await conn.recv(self.gate.timeout)
         if not isinstance(hello, ctl.Hello):
             raise ProtocolError(f"expected a sender's hello, got {hello.kind!r}")
