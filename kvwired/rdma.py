@@ -1,7 +1,8 @@
 """RDMA facts read from the system: devices, GID tables, memlock.
 
 Everything here reads sysfs, resource limits and the routing table only (no
-verbs calls), so it works, and is tested, on machines without RDMA.
+verbs calls), so it works, and is tested, on machines without RDMA. The
+choices (``pick_gid``, ``rail_gid``) also take a table read another way.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import resource
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,9 +61,10 @@ def devices(root: Path = SYSFS) -> list[str]:
     return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
 
 
-def roce_devices(root: Path = SYSFS) -> list[str]:
+def roce_devices(root: Path = SYSFS, table: Sequence[GidEntry] | None = None) -> list[str]:
     """Devices with a RoCE v2 GID: those a kvwire data path can run over."""
-    return sorted({entry.device for entry in gid_table(root) if entry.type == ROCE_V2})
+    entries = gid_table(root) if table is None else table
+    return sorted({entry.device for entry in entries if entry.type == ROCE_V2})
 
 
 def active_roce_devices(root: Path = SYSFS) -> list[str]:
@@ -74,12 +77,15 @@ def active_roce_devices(root: Path = SYSFS) -> list[str]:
     return sorted(active)
 
 
-def rail_gid(device: str, root: Path = SYSFS) -> GidEntry:
+def rail_gid(device: str, root: Path = SYSFS, table: Sequence[GidEntry] | None = None
+             ) -> GidEntry:
     """The GID a data channel on rail ``device`` uses: its first IPv4 RoCE v2 entry
-    (the address the rail's netdev holds), else its first RoCE v2 entry."""
-    entries = [e for e in gid_table(root) if e.device == device and e.type == ROCE_V2]
+    (the address the rail's netdev holds), else its first RoCE v2 entry. From
+    ``table`` when given (the transport asks the devices), else sysfs."""
+    table = gid_table(root) if table is None else table
+    entries = [e for e in table if e.device == device and e.type == ROCE_V2]
     if not entries:
-        found = ", ".join(roce_devices(root)) or "none"
+        found = ", ".join(roce_devices(table=table)) or "none"
         raise NoRdmaPath(f"rail {device} has no RoCE v2 GID",
                          hint=f"devices with one: {found}; give its netdev an address, or "
                               "leave the device out of `rails`")
@@ -103,7 +109,13 @@ def _read(path: Path) -> str | None:
 
 
 def gid_table(root: Path = SYSFS) -> list[GidEntry]:
-    """Every populated GID entry of every port of every device."""
+    """Every populated GID entry of every port of every device.
+
+    This opens a file per entry, populated or not: rdma_rxe has 1,024 a port,
+    and a scan took 1 to 2.6 s on an emulated lab node. The verbs transport,
+    which needs the table for every queue pair, asks the devices instead
+    (kvwired.transport.verbs.gids); this reader serves everything that runs
+    once, or where verbs cannot (kvctl probe, tests on a fake sysfs)."""
     entries = []
     for device in devices(root):
         for port_dir in sorted((root / device / "ports").iterdir()):
@@ -122,14 +134,15 @@ def gid_table(root: Path = SYSFS) -> list[GidEntry]:
 
 
 def pick_gid(local_ip: str, device: str = "", gid_index: int = -1,
-             root: Path = SYSFS) -> GidEntry:
+             root: Path = SYSFS, table: Sequence[GidEntry] | None = None) -> GidEntry:
     """The RoCE v2 GID through which ``local_ip`` reaches its peer.
 
     By default: the RoCE v2 entry whose address is ``local_ip`` (the address
     the control connection uses, so the data path follows the same netdev).
-    ``device`` and ``gid_index`` override the choice.
+    ``device`` and ``gid_index`` override the choice. From ``table`` when
+    given, else sysfs.
     """
-    table = gid_table(root)
+    table = gid_table(root) if table is None else table
     if not table:
         raise NoRdmaPath(
             "no RDMA device with a populated GID table on this host",

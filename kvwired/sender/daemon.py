@@ -37,7 +37,7 @@ from ..pool import Pool, Slot
 from ..protocol import AUTO_PEER, PROTOCOL_VERSION, SENDER_LOCAL, Failed, Message, encode
 from ..protocol import control as ctl
 from ..protocol import sender_local as local
-from ..rdma import rail_gid
+from ..rdma import gid_table, rail_gid
 from ..transport import Transport, TransportOptions, make_transport
 from ..units import format_size
 from .engines import EngineSession
@@ -103,9 +103,10 @@ class SenderDaemon(Daemon):
             "each push holds staging memory until delivered; raise staging_size")))
         self._driver = PushDriver(cfg, self._staging, self.metrics, self.work_ended)
         await self.transport.start(self._staging.memory)
-        if self.transport.name == "verbs":
-            for rail in cfg.rail_devices():
-                rail_gid(rail)  # a rail that cannot carry RoCE v2 stops the daemon now
+        if self.transport.name == "verbs" and (rails := cfg.rail_devices()):
+            table = gid_table()  # one sysfs scan for all of them (seconds on a lab node)
+            for rail in rails:
+                rail_gid(rail, table=table)  # a rail without RoCE v2 stops the daemon now
         self.serve_metrics()
         await self.serve_local(self._serve_engine)
         for link in self.links.values():

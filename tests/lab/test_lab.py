@@ -119,9 +119,12 @@ for name in ("rxe0", "rxe1"):
 
 def test_the_transport_suite_passes_over_rdma_rxe_in_a_node(lab: LabState) -> None:
     # tests/unit/test_transport.py, the suite the tcp transport passes here, run
-    # over verbs where rdma_rxe is: both ends on the decode node's rxe0.
-    suite = Path(__file__).parents[1] / "unit" / "test_transport.py"
-    code, out, err = run_in("decode", [sys.executable, "-m", "pytest", str(suite), "-k", "verbs",
+    # over verbs where rdma_rxe is: both ends on the decode node's rxe0. With
+    # it, the GID table the devices answer against the one sysfs lists.
+    unit = Path(__file__).parents[1] / "unit"
+    code, out, err = run_in("decode", [sys.executable, "-m", "pytest",
+                                       str(unit / "test_transport.py"),
+                                       str(unit / "test_verbs_gids.py"), "-k", "verbs",
                                        "-q", "-p", "no:cacheprovider"], state=lab)
     assert code == 0, out + err
     assert "skipped" not in out and " passed" in out, out

@@ -95,8 +95,8 @@ PARTS: dict[str, tuple[str, ...]] = {
     "kvwired.client": ("results", "connection", "push", "recovery", "sender", "receiver",
                        "sync"),
     # The transports, mirrored by name where they do the same job.
-    "kvwired.transport.verbs": ("send_queue", "device", "completions", "queue_pair", "keys",
-                                "channel", "responder", "transport"),
+    "kvwired.transport.verbs": ("send_queue", "device", "gids", "completions", "queue_pair",
+                                "keys", "channel", "responder", "transport"),
     "kvwired.transport.tcp": ("frames", "write_receiver", "keys", "socket_options", "channel",
                               "responder", "transport"),
 }

@@ -118,3 +118,19 @@ def test_auto_rails_are_the_devices_with_an_active_port(sysfs: Path) -> None:
 
 def test_the_source_address_is_what_the_routes_say() -> None:
     assert source_address("127.0.0.1") == "127.0.0.1"
+
+
+def test_the_choices_read_a_table_they_are_given_as_they_read_sysfs(
+        sysfs: Path, tmp_path: Path) -> None:
+    # The verbs transport hands them the table it asked the devices for; the
+    # sysfs under `root` is then not read at all (here: there is none).
+    table = gid_table(sysfs)
+    nowhere = tmp_path / "no-sysfs"
+    assert pick_gid("198.18.78.1", root=nowhere, table=table) == pick_gid("198.18.78.1",
+                                                                          root=sysfs)
+    assert rail_gid("mlx5_1", nowhere, table=table) == rail_gid("mlx5_1", sysfs)
+    assert roce_devices(nowhere, table=table) == roce_devices(sysfs)
+    with pytest.raises(NoRdmaPath, match="devices with one: mlx5_1, rxe0"):
+        rail_gid("ib0", nowhere, table=table)
+    with pytest.raises(NoRdmaPath, match="no RDMA device"):
+        pick_gid("198.18.78.1", root=sysfs, table=[])

@@ -11,6 +11,7 @@ from ...units import format_size
 from ..base import ErrorHandler, ImmediateHandler, Initiator, Responder, Transport
 from .channel import VerbsInitiator
 from .device import Device
+from .gids import GidReader
 from .queue_pair import QP_TIMEOUT, QueuePair
 from .responder import VerbsResponder
 
@@ -29,6 +30,7 @@ class VerbsTransport(Transport):
         self._receive_depth = receive_depth
         self._memory: SharedMemory | None = None
         self._devices: dict[str, Device] = {}
+        self._gids = GidReader()
 
     @property
     def memory_size(self) -> int:
@@ -42,7 +44,8 @@ class VerbsTransport(Transport):
         # address decides which one a connection's data takes (a node with
         # several rails has one per rail). Each registration pins the pool
         # again, and the kernel counts every one against RLIMIT_MEMLOCK.
-        names = [self._device_name] if self._device_name else roce_devices()
+        names = [self._device_name] if self._device_name else roce_devices(
+            table=self._gids.table())
         pinned = memory.size * max(1, len(names))
         check_memlock(pinned, f"the {format_size(memory.size)} pool"
                       + (f", registered with each of {', '.join(names)}," if len(names) > 1
@@ -62,8 +65,9 @@ class VerbsTransport(Transport):
                    per_lease_keys: bool = False, rail: str = "") -> QueuePair:
         """A QP on ``rail``'s device when given, else on the device whose GID
         holds ``local_host`` (the control path's, unless configured)."""
-        gid = rail_gid(rail) if rail else pick_gid(local_host, self._device_name,
-                                                   self._gid_index)
+        table = self._gids.table()
+        gid = (rail_gid(rail, table=table) if rail else
+               pick_gid(local_host, self._device_name, self._gid_index, table=table))
         device = self._device(gid.device)
         # Windows where the device bounds them; else a PD per QP for its lease MRs.
         windows = per_lease_keys and device.bounds_windows
@@ -92,4 +96,5 @@ class VerbsTransport(Transport):
         for device in self._devices.values():
             device.close()
         self._devices.clear()
+        self._gids.close()
 
