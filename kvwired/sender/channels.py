@@ -42,7 +42,7 @@ from .credits import Credits
 from .dial import expect
 from .holders import Holders
 from .ledger import PostLedger
-from .rails import RailHealth
+from .rails import RailHealth, replacement_rail
 
 log = structlog.get_logger("kvwired.sender")
 
@@ -274,8 +274,11 @@ class DataChannels:
         if self.replaceable(number, channel, error):
             self.ledger.replacing.add(number)
             self.credits.freeze(number)
+            # The rail is chosen now: a task started after a slow sibling's
+            # offer could find the dead rail's backoff over, and go back to it.
             self._replacements[number] = self.tasks.spawn(
-                self._replace(number, channel, error), f"replace-{self.peer}-{number}")
+                self._replace(number, channel, error, self._replacement_rail(number)),
+                f"replace-{self.peer}-{number}")
         elif channel in self.channels and not self._control_lost:
             self._lost(self._loss(error))
 
@@ -303,13 +306,13 @@ class DataChannels:
         return (channel.silent_for(time.monotonic()) <= self.stall_bound
                 or self._replacement_rail(number) != self.rails[number])
 
-    async def _replace(self, number: int, failed: DataChannel, error: Exception) -> None:
+    async def _replace(self, number: int, failed: DataChannel, error: Exception,
+                       rail: str) -> None:
         """A new channel in place of ``failed``, under the same control connection:
         offer, the receiver's ``replaced`` (its new responder, and new keys for
         every lease that still takes writes, the old ones revoked with the old
         responder), complete; then the lost posts go again, in order."""
         conn, failed_rail = self._conn, self.rails[number]
-        rail = self._replacement_rail(number)
         assert conn is not None
         cause = error.message if isinstance(error, KvwireError) else str(error)
         began = time.monotonic()
@@ -357,16 +360,7 @@ class DataChannels:
                  seconds=round(time.monotonic() - began, 3))
 
     def _replacement_rail(self, number: int) -> str:
-        """Channel ``number``'s rail, unless that rail has just been left out
-        (its writes were not acknowledged) and another is usable: then the
-        replacement moves to one of those."""
-        rail = self.rails[number]
-        if not rail:
-            return rail
-        usable = self.usable_rails()
-        if rail in usable or not usable:
-            return rail
-        return usable[number % len(usable)]
+        return replacement_rail(self.rails[number], self.usable_rails(), number)
 
     def _count_failure(self, error: Exception, rail: str) -> None:
         status = error.status if isinstance(error, KvwireError) else FailureStatus.TRANSPORT_ERROR
@@ -388,3 +382,4 @@ class DataChannels:
             # Named after the receiver: "outgoing data connection closed" alone
             # does not say which of several peers went away.
             self.failure = error.renamed(f"receiver {self.peer}: {error.message}")
+

@@ -54,3 +54,12 @@ class RailHealth:
 
     def _until(self, rail: str) -> float:
         return self._left_out.get(rail, (0.0, 0.0))[0]
+
+
+def replacement_rail(rail: str, usable: list[str], number: int) -> str:
+    """Channel ``number``'s ``rail``, unless that rail has just been left out
+    (its writes were not acknowledged) and another is ``usable``: then the
+    replacement moves to one of those."""
+    if not rail or rail in usable or not usable:
+        return rail
+    return usable[number % len(usable)]

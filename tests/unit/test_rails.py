@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvwired.sender.rails import FIRST_BACKOFF, MAX_BACKOFF, RailHealth
+from kvwired.sender.rails import FIRST_BACKOFF, MAX_BACKOFF, RailHealth, replacement_rail
 
 RAILS = ["rxe0", "rxe1", "rxe2"]
 
@@ -66,3 +66,19 @@ def test_usable_is_never_empty_and_only_names_known_rails(
     # A rail left out now is not usable unless every rail is left out.
     left = set(health.left_out(now))
     assert set(usable) == (set(RAILS) - left or set(RAILS))
+
+
+def test_a_replacement_moves_off_a_rail_only_while_it_is_left_out() -> None:
+    assert replacement_rail("rxe1", ["rxe0", "rxe1"], 1) == "rxe1"
+    assert replacement_rail("rxe1", ["rxe0"], 1) == "rxe0"
+    assert replacement_rail("rxe1", [], 1) == "rxe1"  # nowhere else to go
+    assert replacement_rail("", ["rxe0"], 0) == ""  # no rails: the control path's device
+
+
+@given(st.sampled_from(["", "rxe0", "rxe1", "rxe2"]),
+       st.lists(st.sampled_from(["rxe0", "rxe1", "rxe2"]), unique=True), st.integers(0, 15))
+def test_a_replacement_rail_is_its_own_or_a_usable_one(rail: str, usable: list[str],
+                                                       number: int) -> None:
+    chosen = replacement_rail(rail, usable, number)
+    assert chosen == rail or chosen in usable
+    assert (chosen != rail) == bool(rail and usable and rail not in usable)
