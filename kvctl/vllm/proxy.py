@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import structlog
+import uvloop
 from aiohttp import web
 
 from kvwire_vllm.params import DEFAULT_DEADLINE, new_transfer_id
@@ -340,6 +341,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"kvctl proxy on http://{args.listen}: prefill "
           f"{', '.join(s.url for s in proxy.prefill.servers)}; decode "
           f"{', '.join(s.url for s in proxy.decode.servers)}", flush=True)
+    # uvloop, as the daemons: every request is two upstream calls and a relay,
+    # and the loop's own cost per call is the hop's fixed cost.
     web.run_app(proxy.app(), host=host or "127.0.0.1", port=int(port), print=None,
-                handle_signals=True)
+                handle_signals=True, loop=uvloop.new_event_loop())
     return 0

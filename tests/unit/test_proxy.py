@@ -4,6 +4,7 @@ servers is in tests/netns/test_vllm_e2e.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -185,3 +186,22 @@ async def test_untraced_the_engines_get_no_trace_at_all(
     seen = await _through_proxy({"traceparent": CLIENT_TRACE})
     for _, params, header in seen:
         assert "kvwire_trace" not in params and header == ""
+
+
+def test_the_hop_benchmark_runs_the_real_proxy_beside_a_pass_through(tmp_path: Path) -> None:
+    # benchmarks.proxy_hop, a few rounds: every server a process of its own,
+    # the proxy through `python -m kvctl proxy` (uvloop) as users start it.
+    # Its figures are read, not bounded: timings on a loaded 2-core machine.
+    import subprocess
+    import sys
+
+    out = tmp_path / "hop.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.proxy_hop", "--rounds", "5",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "kvctl proxy's hop over the pass-through's" in done.stdout, done.stdout
+    figures = json.loads(out.read_text())
+    assert figures["rounds"] == 5
+    assert set(figures["added_ms"]) == {"pass-through", "kvctl proxy"}
+    assert figures["direct_ms"]["both directly"]["p50"] > 0
