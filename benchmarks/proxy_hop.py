@@ -30,19 +30,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from kvctl.vllm.engines import start_until_it_says
 from kvctl.vllm.load import complete
+from kvwired.addresses import free_port
 from kvwired.analysis import percentile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,32 +66,6 @@ def engine_app() -> web.Application:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     return app
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-@contextmanager
-def _serving(argv: list[str], says: str, cwd: Path = REPO) -> Iterator[None]:
-    """A server process, once a line of its output contains ``says``."""
-    process = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    try:
-        assert process.stdout is not None
-        seen = []
-        for line in process.stdout:
-            seen.append(line)
-            if says in line:
-                break
-        else:
-            raise RuntimeError(f"{argv[2:4]} ended before it served: {''.join(seen)[-1500:]}")
-        yield
-    finally:
-        process.terminate()
-        process.wait(10)
 
 
 async def _both_directly(session: aiohttp.ClientSession, prefill: str, decode: str
@@ -136,24 +110,28 @@ async def _rounds(urls: dict[str, str], prefill: str, rounds: int) -> dict[str, 
 
 def measure(rounds: int, against: Path | None = None) -> dict[str, Any]:
     names = ["prefill", "decode", "pass", "proxy"] + (["before"] if against else [])
-    ports = {name: _free_port() for name in names}
+    ports = {name: free_port() for name in names}
     url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     me = [sys.executable, "-m", "benchmarks.proxy_hop"]
     proxies = {"kvctl proxy": ("proxy", REPO)}
     if against is not None:
         proxies[f"kvctl proxy of {against}"] = ("before", against)
     with ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="proxy-hop-")))
         for name in ("prefill", "decode"):
-            stack.enter_context(_serving([*me, "engine", "--port", str(ports[name])],
-                                         "engine on"))
-        stack.enter_context(_serving(
-            [sys.executable, "-m", "benchmarks.passthrough", url["decode"],
-             "--listen", f"127.0.0.1:{ports['pass']}"], "pass-through on"))
+            start_until_it_says(stack, [*me, "engine", "--port", str(ports[name])],
+                                logs / f"{name}.log", "engine on", f"the {name} stub",
+                                cwd=REPO)
+        start_until_it_says(stack, [sys.executable, "-m", "benchmarks.passthrough",
+                                    url["decode"], "--listen", f"127.0.0.1:{ports['pass']}"],
+                            logs / "pass.log", "pass-through on", "the pass-through", cwd=REPO)
         for port_name, checkout in proxies.values():
-            stack.enter_context(_serving(
-                [sys.executable, "-m", "kvctl", "proxy", "--prefill", url["prefill"],
-                 "--decode", url["decode"], "--listen", f"127.0.0.1:{ports[port_name]}"],
-                "kvctl proxy on", cwd=checkout))
+            start_until_it_says(
+                stack, [sys.executable, "-m", "kvctl", "proxy", "--prefill", url["prefill"],
+                        "--decode", url["decode"], "--listen",
+                        f"127.0.0.1:{ports[port_name]}"],
+                logs / f"{port_name}.log", "kvctl proxy on", f"the proxy in {checkout}",
+                cwd=checkout)
         ttft = asyncio.run(_rounds({"direct": url["decode"], "pass-through": url["pass"],
                                     **{label: url[port_name]
                                        for label, (port_name, _) in proxies.items()}},
