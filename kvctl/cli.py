@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import signal
 import sys
@@ -38,7 +39,29 @@ def needs_ctl_extra(exc: ModuleNotFoundError) -> bool:
 DEFAULT_METRICS = [f"127.0.0.1:{RECEIVER_METRICS_PORT}", f"127.0.0.1:{SENDER_METRICS_PORT}"]
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands defined in their own modules, and the function that adds each one's
+# parser. Only the command named is imported: `kvctl push` does not load the
+# proxy's aiohttp, the keys' cryptography or the cluster view. On the lab's
+# emulated nodes loading them all took longer than the rest of a push's start.
+COMMAND_MODULES: dict[str, tuple[str, str]] = {
+    "run": (".run.cli", "add_parsers"),
+    "probe": (".probe", "add_parser"),
+    "lab": (".lab.cli", "add_parser"),
+    "keys": (".keys", "add_parser"),
+    "netns": (".netns_session", "add_parser"),
+    "cluster": (".cluster", "add_parser"),
+    "proxy": (".vllm.proxy", "add_parser"),
+    "timeline": (".timeline", "add_parser"),
+}
+
+
+# The commands defined here, with their parsers always built: they are cheap.
+BUILT_IN = ("push", "consume", "status", "metrics", "demo")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """kvctl's parser; with ``only``, of the commands in their own modules
+    just that one (the ones defined here are cheap and always there)."""
     parser = argparse.ArgumentParser(prog="kvctl", description="Control and measure kvwire.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -104,22 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--json", action="store_true")
     metrics.set_defaults(handler=_metrics)
 
-    from .cluster import add_parser as add_cluster_parser
-    from .keys import add_parser as add_keys_parser
-    from .lab.cli import add_parser as add_lab_parser
-    from .netns_session import add_parser as add_netns_parser
-    from .probe import add_parser as add_probe_parser
-    from .run.cli import add_parsers as add_run_parsers
-    from .timeline import add_parser as add_timeline_parser
-
-    add_run_parsers(commands)
-    add_probe_parser(commands)
-    add_lab_parser(commands)
-    add_keys_parser(commands)
-    add_netns_parser(commands)
-    add_cluster_parser(commands)
-    _add_proxy_parser(commands)
-    add_timeline_parser(commands)
+    for name, (module, function) in COMMAND_MODULES.items():
+        if only is None or only == name:
+            _add_command(commands, name, module, function)
 
     demo = commands.add_parser("demo", help="the end-to-end demo")
     demo.add_argument("where", choices=["lab", "netns", "vllm"],
@@ -149,11 +159,11 @@ def _layout(args: argparse.Namespace) -> KVLayout:
     return KVLayout(args.layers, args.tokens, args.kv_heads, args.head_dim, args.dtype)
 
 
-def _add_proxy_parser(commands: Any) -> None:
+def _add_command(commands: Any, name: str, module: str, function: str) -> None:
     try:
-        from .vllm.proxy import add_parser
+        add_parser = getattr(importlib.import_module(module, __package__), function)
     except ModuleNotFoundError as exc:
-        if not needs_ctl_extra(exc):
+        if name != "proxy" or not needs_ctl_extra(exc):
             raise
         # Listed all the same: running it says what to install.
         missing = exc
@@ -171,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     # A shell's background job starts its children with SIGINT ignored; a
     # command that stops on Ctrl-C (metrics --watch, consume) must still.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(only=_command_named(argv)).parse_args(argv)
     try:
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)
@@ -189,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     if error.hint:
         print(f"  what to do: {error.hint}", file=sys.stderr)
     return 2
+
+
+def _command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` names; None (every command) for anything else, so
+    `kvctl --help` and a mistyped command list them all."""
+    named = argv[0] if argv else None
+    return named if named in COMMAND_MODULES or named in BUILT_IN else None
 
 
 def _demo(args: argparse.Namespace) -> int:
