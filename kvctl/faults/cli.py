@@ -39,6 +39,14 @@ SHORT_ITERATIONS = 3
 # declared lost only after 20 s, and a stopped daemon's error would surface
 # that late. The campaign's pushes (make faults: 12 MiB) starve it less.
 LAB_HEARTBEAT = 1.5
+# The lab's other daemons wait 268 ms for an ACK (kvctl/lab/daemons.py): the
+# right bound for a clean wire under four channels. The campaign's wires lose
+# packets on purpose, and rdma_rxe resends only when that timer fires:
+# ib_write_bw moved 12 MiB over a wire losing 5 % of its packets in about 4 s
+# at ack timeout 10, 8 s at 12 and 29 s at 14. Its pushes are one channel
+# each, which 17 ms serves without needless resends; not 10: 4 ms is shorter
+# than a starved node takes to answer.
+LAB_ACK_TIMEOUT = 12
 
 
 def _deployment(where: str, workdir: Path, shape: RequestShape
@@ -48,8 +56,8 @@ def _deployment(where: str, workdir: Path, shape: RequestShape
         from ..lab.machine import require_state
         from .lab import LabDeployment
 
-        return LabDeployment(require_state(), {**receiver, "heartbeat": LAB_HEARTBEAT},
-                             {**sender, "heartbeat": LAB_HEARTBEAT})
+        lab = {"heartbeat": LAB_HEARTBEAT, "ack_timeout": LAB_ACK_TIMEOUT}
+        return LabDeployment(require_state(), {**receiver, **lab}, {**sender, **lab})
     reason = check_can_run()
     if reason:
         raise HarnessError(f"the fault campaign runs between two namespaces: {reason}")

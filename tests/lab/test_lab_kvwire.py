@@ -30,9 +30,9 @@ pytestmark = pytest.mark.lab
 # nodes are emulated (a wrong GID index took 33.8 s to be refused in one run).
 HANG_GUARD = 90.0
 # What a dead rail's probe may send while a push runs on the other rail: its
-# zero-length write, resent every ACK timeout (17 ms in the lab) for up to
-# connect_timeout (20 s), about 1,200 packets. Half of a 48 MiB push over
-# that rail would be 24,000 or more.
+# zero-length write, resent every ACK timeout (268 ms in the lab) for up to
+# connect_timeout (20 s): about 75 packets (1,200 at 17 ms). Half of a 48 MiB
+# push over that rail would be 24,000 or more.
 PROBE_PACKETS = 5000
 
 
