@@ -46,6 +46,7 @@ DECODE_ADDRESS = "198.18.78.2"
 # 5.4 to 6.6 s a push on one rail or two. A wire that truly loses packets
 # recovers more slowly at 16, so the fault campaign, whose scenarios are
 # lossy wires, sets its own (kvctl/faults/cli.py).
+#
 # A sender's handshake (hello, welcome, its first queue pair) took 7 to 11 s
 # there while `kvctl push` filled its 48 MiB on the same vCPU (the receiver
 # logs each one's seconds). At the default 10 s, one full lab run refused
