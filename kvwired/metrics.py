@@ -15,8 +15,12 @@ one by one would cost more than posting them.
 from __future__ import annotations
 
 import bisect
+import socket
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from socketserver import TCPServer, ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -25,7 +29,7 @@ from prometheus_client import (
     Histogram,
     Info,
     ProcessCollector,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -252,11 +256,45 @@ class Metrics:
         """Start the HTTP endpoint (a thread); returns the bound port, 0 if off."""
         if port == 0:
             return 0
+        server_class = _MetricsServer6 if ":" in host else _MetricsServer
         try:
-            server, _ = start_http_server(port, addr=host, registry=self.registry)
+            server: WSGIServer = make_server(
+                host, port, make_wsgi_app(self.registry), server_class, handler_class=_QuietHandler)
         except OSError as exc:
             raise ConfigError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror}",
                 hint="pick a free port with --metrics HOST:PORT (port 0 turns metrics off)",
             ) from exc
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
         return int(server.server_port)
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """The scrape endpoint: a thread per scrape, as prometheus_client's own.
+
+    Its own rather than ``prometheus_client.start_http_server``'s because
+    http.server names itself at bind time with ``socket.getfqdn(host)``, a
+    reverse DNS lookup of the listen address. On a node with no reachable
+    resolver (the lab's, and many a cluster's) that waited out the
+    resolver's timeout, 10 s, before every daemon could start. Nothing
+    reads the name but WSGI's SERVER_NAME, so the address serves.
+    """
+
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        TCPServer.server_bind(self)
+        host, port = self.server_address[:2]
+        self.server_name, self.server_port = str(host), int(port)
+        self.setup_environ()
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per scrape: the daemons' logs are structured."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
