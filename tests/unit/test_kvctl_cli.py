@@ -14,7 +14,7 @@ import pytest
 from kvctl.cli import BUILT_IN, COMMAND_MODULES, build_parser
 
 # What a command in its own module brings that `kvctl push` must not pay for.
-HEAVY = ("aiohttp", "cryptography", "kvctl.vllm.proxy", "kvctl.keys", "kvctl.cluster",
+HEAVY = ("aiohttp", "cryptography", "rich", "kvctl.vllm.proxy", "kvctl.keys", "kvctl.cluster",
          "kvctl.lab.cli", "kvctl.run.cli")
 
 
