@@ -21,6 +21,7 @@ import pytest
 
 from kvctl.lab.daemons import DECODE_ADDRESS, NodeDaemon, receiver_config, sender_config
 from kvctl.lab.machine import SHARED_DIR, LabState, run_in
+from kvwired.layout import KVLayout
 
 from ..waiting import wait_until
 
@@ -35,7 +36,7 @@ HANG_GUARD = 90.0
 # check, and the tests that are about 48 MiB (and the rail cut's long push)
 # still push all of it.
 SMALL_TOKENS = 1024
-SMALL_BYTES = 12 << 20
+SMALL_BYTES = KVLayout(tokens=SMALL_TOKENS).total_bytes
 # What a dead rail's probe may send while a push runs on the other rail: its
 # zero-length write, resent every ACK timeout (268 ms in the lab) for up to
 # connect_timeout (20 s): about 75 packets (1,200 at 17 ms). Half of a 12 MiB
@@ -91,17 +92,25 @@ def kvctl_argv(*args: str) -> list[str]:
 
 
 def consume(d: Daemons, requests: list[str], seed: int, socket: str | None = None,
-            timeout: float = 240, tokens: int = 4096) -> Background:
+            timeout: float = 240, tokens: int = KVLayout().tokens) -> Background:
     return Background("decode", kvctl_argv(
         "consume", *requests, "--socket", socket or d.receiver.socket, "--expect-seed",
         str(seed), "--tokens", str(tokens), "--timeout", str(timeout), "--json"), d.state)
 
 
+def push_argv(socket: str, req: str, seed: int, *extra: str, peer: str = "decode",
+              tokens: int = KVLayout().tokens) -> list[str]:
+    """`kvctl push` of the seeded synthetic cache, as the prefill engine."""
+    return kvctl_argv("push", "--socket", socket, "--peer", peer, "--req", req,
+                      "--seed", str(seed), "--tokens", str(tokens), *extra)
+
+
 def push(d: Daemons, req: str, seed: int, *extra: str, socket: str | None = None,
-         peer: str = "decode", tokens: int = 4096) -> tuple[int, list[dict[str, Any]], str]:
-    code, out, err = run_in("prefill", kvctl_argv(
-        "push", "--socket", socket or d.sender.socket, "--peer", peer, "--req", req,
-        "--seed", str(seed), "--tokens", str(tokens), "--json", *extra), state=d.state)
+         peer: str = "decode", tokens: int = KVLayout().tokens,
+         ) -> tuple[int, list[dict[str, Any]], str]:
+    code, out, err = run_in("prefill", push_argv(
+        socket or d.sender.socket, req, seed, "--json", *extra, peer=peer, tokens=tokens),
+        state=d.state)
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     return code, records, err
 
@@ -187,12 +196,10 @@ def test_two_senders_into_one_receiver(daemons: Daemons) -> None:
     try:
         requests = [f"{daemons.transport}-from-a", f"{daemons.transport}-from-b"]
         decode = consume(daemons, requests, seed=5, tokens=SMALL_TOKENS)
-        a = Background("prefill", kvctl_argv(
-            "push", "--socket", daemons.sender.socket, "--peer", "decode", "--req",
-            requests[0], "--seed", "5", "--tokens", str(SMALL_TOKENS)), daemons.state)
-        b = Background("prefill", kvctl_argv(
-            "push", "--socket", second.socket, "--peer", "decode", "--req", requests[1],
-            "--seed", "5", "--tokens", str(SMALL_TOKENS)), daemons.state)
+        a = Background("prefill", push_argv(daemons.sender.socket, requests[0], 5,
+                                            tokens=SMALL_TOKENS), daemons.state)
+        b = Background("prefill", push_argv(second.socket, requests[1], 5,
+                                            tokens=SMALL_TOKENS), daemons.state)
         for pushing in (a, b):
             code, out, err = pushing.outcome()
             assert code == 0, out + err

@@ -13,6 +13,7 @@ from kvctl.lab.daemons import ServiceDaemon, receiver_config, sender_config
 from kvctl.lab.machine import LabState, run_in
 
 from ..waiting import wait_until
+from .test_lab_kvwire import SMALL_BYTES, SMALL_TOKENS
 
 pytestmark = pytest.mark.lab
 
@@ -33,10 +34,10 @@ def _sh(lab: LabState, node: str, script: str) -> tuple[int, str, str]:
 
 
 def _push(lab: LabState, sender: ServiceDaemon, req: str) -> tuple[int, str, str]:
-    # 1,024 tokens (12 MiB): these tests are about systemd, not the cache's size.
+    # A small cache: these tests are about systemd, not the cache's size.
     return run_in("prefill", [sys.executable, "-m", "kvctl", "push", "--socket",
-                              sender.socket, "--peer", "decode", "--req", req,
-                              "--tokens", "1024", "--chunk", "per-layer", "--json"], state=lab)
+                              sender.socket, "--peer", "decode", "--req", req, "--tokens",
+                              str(SMALL_TOKENS), "--chunk", "per-layer", "--json"], state=lab)
 
 
 def _wait_active(daemon: ServiceDaemon, old_pid: int, timeout: float = 120) -> int:
@@ -82,7 +83,7 @@ def test_ready_means_serving_and_status_is_clean(lab: LabState,
     code, out, err = _push(lab, sender, "right-after-start")
     assert code == 0, (f"{err}\nreceiver restarts: {receiver.show('NRestarts')}\n"
                        f"{receiver.log_tail()}\nsender:\n{sender.log_tail()}")
-    assert '"bytes": 12582912' in out
+    assert f'"bytes": {SMALL_BYTES}' in out
     assert "verbs" in receiver.log_text()  # hardened, and RDMA still works
 
 
