@@ -174,6 +174,28 @@ def test_ib_write_lat_between_the_nodes(lab: LabState) -> None:
     assert 0 < result.min_us <= result.typical_us <= result.p99_us
 
 
+def test_the_round_trip_is_broken_down_beside_ib_write_lat(lab: LabState) -> None:
+    # benchmarks.round_trip, one short round: each path's pings come back,
+    # and each is set against the ib_write_lat run of its own round (a
+    # figure, not a bound: the README quotes a full run's).
+    root = Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.round_trip", "--rounds", "1",
+                           "--iterations", "30", "--json"], capture_output=True, text=True,
+                          timeout=600, cwd=root)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads(done.stdout)
+    steps = summary["steps"]
+    assert list(steps) == ["ib_write_lat", "pyverbs", "busy", "asleep"]
+    theirs = summary["rounds"][0]["ib_write_lat"]["p50_us"]
+    assert theirs > 0
+    for step in ("pyverbs", "busy", "asleep"):
+        row = steps[step]
+        print(f"{step}: {row['p50_us']:.0f} µs, x{row['x_ib_write_lat']:.2f} ib_write_lat")
+        assert row["x_ib_write_lat"] == pytest.approx(row["p50_us"] / theirs)
+        # Both ends measured their own CPU over the same round trips.
+        assert row["cpu_us_per_rtt"] > 0 and row["far_cpu_us_per_rtt"] > 0
+
+
 @pytest.mark.parametrize("rail", [0, 1])
 def test_ib_write_bw_between_the_nodes(lab: LabState, rail: int) -> None:
     result = perftest.write_bw(1 << 20, 100, lab, rail=rail)
