@@ -6,7 +6,12 @@ Needs the lab (`kvctl lab up`); run from the checkout on the host:
 prefill node's pings, the decode node's echoes. Each round runs, on the
 same link one after the other:
 
-- **ib_write_lat**: perftest's C ping-pong, busy-polling;
+- **ib_write_lat**: perftest's C ping-pong, busy-polling (the receiving
+  end polls the buffer's last byte: no receive completion at all);
+- **ib_send_lat**, busy-polling and with ``-e`` (asleep on completion
+  events): a compiled ping-pong whose every message consumes a receive and
+  produces a completion, as a write with immediate does; the pair says
+  what a compiled path's wake-up costs on this link;
 - **pyverbs alone, busy-polled**: a queue pair of the same kind driven with
   the fewest pyverbs calls a write and its answer take (post, poll, re-post
   the receive): the interpreter's and pyverbs' floor, no kvwire code;
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import socket
 import statistics
 import sys
@@ -43,7 +49,7 @@ from kvwired import analysis
 from kvwired.analysis import percentile
 from kvwired.experiments import perftest
 from kvwired.pool import SharedMemory
-from kvwired.rdma import gid_table, pick_gid
+from kvwired.rdma import GidEntry, gid_table, pick_gid
 from kvwired.transport.base import DataChannel, Responder, Write
 from kvwired.transport.verbs import VerbsTransport
 from kvwired.transport.verbs.channel import VerbsDataChannel
@@ -53,13 +59,28 @@ from kvwired.transport.verbs.responder import VerbsResponder
 CONTROL_PORT = 18620  # the two processes' own exchange, on the wire
 PERFTEST_PORT = 18621
 WARMUP = 20
-STEPS = ("ib_write_lat", "pyverbs", "busy", "asleep")
+# perftest's steps: the tool, and its flags beyond what the daemons pass it.
+PERFTEST_STEPS = {"ib_write_lat": ("ib_write_lat", []), "ib_send_lat": ("ib_send_lat", []),
+                  "ib_send_lat_events": ("ib_send_lat", ["--events"])}
+STEPS = (*PERFTEST_STEPS, "pyverbs", "busy", "asleep")
 LABELS = {"ib_write_lat": "ib_write_lat (C, busy-polls)",
+          "ib_send_lat": "ib_send_lat (C, busy-polls)",
+          "ib_send_lat_events": "ib_send_lat -e (C, asleep)",
           "pyverbs": "pyverbs alone, busy-polled",
           "busy": "kvwire transport, busy-polled",
           "asleep": "kvwire transport, asleep on uvloop"}
 PERFTEST_TIMEOUT = 120.0
 STUCK_SECONDS = 30.0  # a round trip that has not come back by then is lost: say so
+
+
+def perftest_args(step: str, gid: GidEntry, size: int, iterations: int,
+                  server: str | None = None) -> list[str]:
+    tool, flags = PERFTEST_STEPS[step]
+    args = perftest.command("ib_write_lat", gid, size, iterations, PERFTEST_PORT, server)
+    found = shutil.which(tool)
+    if found is None:
+        raise SystemExit(f"{tool} is not installed on this node (apt-get install perftest)")
+    return [found, *flags, *args[1:]]
 
 
 def stuck_after(seconds: float = STUCK_SECONDS) -> Callable[[], None]:
@@ -231,8 +252,8 @@ async def echo(size: int, iterations: int) -> None:
     side.on_received = side.answer  # an answer per ping, posted from the completion
     while (step := (await _read_line(reader)).get("step")) is not None:
         total = WARMUP + iterations
-        if step == "ib_write_lat":
-            args = perftest.command("ib_write_lat", side.gid, size, iterations, PERFTEST_PORT)
+        if step in PERFTEST_STEPS:
+            args = perftest_args(step, side.gid, size, iterations)
             server_process = await perftest.start_server(args, PERFTEST_PORT)
             await _send_line(writer, {"ready": True})
             await server_process.wait()
@@ -293,16 +314,16 @@ async def ping(peer: str, size: int, iterations: int, rounds: int) -> dict[str, 
         for step in STEPS:
             await _send_line(writer, {"step": step})
             await _read_line(reader)  # ready
-            if step == "ib_write_lat":
-                args = perftest.command("ib_write_lat", side.gid, size, iterations, PERFTEST_PORT,
-                                        server=peer)
+            if step in PERFTEST_STEPS:
+                args = perftest_args(step, side.gid, size, iterations, server=peer)
                 code, out = await perftest.run(args, PERFTEST_TIMEOUT)
                 if code != 0:
-                    raise SystemExit(f"ib_write_lat failed ({code}): {out[-500:]}")
+                    raise SystemExit(f"{LABELS[step]} failed ({code}): {out[-500:]}")
                 theirs = perftest.parse_latency(out, size)
-                # It spins through its whole round trip, both ends.
-                figures[step] = {"p50_us": theirs.typical_us,
-                                 "cpu_us_per_rtt": 2 * theirs.typical_us}
+                # Busy-polling, it spins through its whole round trip; asleep,
+                # its CPU is not measured here.
+                figures[step] = {"p50_us": theirs.typical_us, "cpu_us_per_rtt": (
+                    None if step == "ib_send_lat_events" else 2 * theirs.typical_us)}
                 await _read_line(reader)
                 continue
             pings = {"pyverbs": _bare_pings, "busy": _busy_pings, "asleep": _asleep_pings}
@@ -408,26 +429,31 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
             figures[step]["p50_us"], figures["ib_write_lat"]["p50_us"])) is not None]
         row: dict[str, Any] = {
             "p50_us": statistics.median(f[step]["p50_us"] for f in rounds),
-            "cpu_us_per_rtt": statistics.median(f[step]["cpu_us_per_rtt"] for f in rounds),
-            "far_cpu_us_per_rtt": None if step == "ib_write_lat" else statistics.median(
-                f[step]["far_cpu_us_per_rtt"] for f in rounds),
+            "cpu_us_per_rtt": _median_or_none([f[step]["cpu_us_per_rtt"] for f in rounds]),
+            "far_cpu_us_per_rtt": _median_or_none(
+                [f[step].get("far_cpu_us_per_rtt") for f in rounds]),
             "round_ratios": ratios}
         with_spread(row, "x_ib_write_lat", ratios)
         steps[step] = row
     return {**measured, "steps": steps}
 
 
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known and len(known) == len(values) else None
+
+
 def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['size']} B half round trip, {len(summary['rounds'])} round(s) of "
              f"{summary['iterations']}; x ib_write_lat: the median of each round's p50 over "
              "that round's ib_write_lat, lowest and highest round",
-             f"{'path':36}  {'p50 µs':>8}  {'x ib_write_lat':<24}  {'CPU µs/rtt':>10}  "
+             f"{'path':36}  {'p50 µs':>8}  {'x ib_write_lat':<36}  {'CPU µs/rtt':>10}  "
              f"{'far end':>7}"]
     for step, row in summary["steps"].items():
         ratio = "" if step == "ib_write_lat" else times(ratio_spread(row, "x_ib_write_lat"))
-        lines.append(f"{LABELS[step]:36}  {row['p50_us']:8.1f}  {ratio:<24}  "
-                     f"{row['cpu_us_per_rtt']:10.0f}  "
-                     f"{number(row['far_cpu_us_per_rtt'], '7.0f')}")
+        lines.append(f"{LABELS[step]:36}  {row['p50_us']:8.1f}  {ratio:<36}  "
+                     f"{number(row['cpu_us_per_rtt'], '.0f'):>10}  "
+                     f"{number(row['far_cpu_us_per_rtt'], '.0f'):>7}")
     return "\n".join(lines)
 
 
