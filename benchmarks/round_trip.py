@@ -25,7 +25,9 @@ same link one after the other:
 Every ratio is a round's p50 over the ib_write_lat run of the same round
 (an emulated link's speed drifts within minutes), and the figure is the
 median of the rounds' ratios. CPU is each process's user and system time
-per round trip (``time.process_time``), both ends. The daemons' own echo
+per round trip (``getrusage``), both ends, and its user part: rdma_rxe
+builds and takes packets in the kernel, inside the posting call or in
+interrupts, while Python's work is all user time. The daemons' own echo
 (sessions, credits, the ping's timer) is what `kvctl run chunk-sweep
 --baseline perftest` measures on top of the asleep path.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import shutil
 import socket
 import statistics
@@ -81,6 +84,20 @@ def perftest_args(step: str, gid: GidEntry, size: int, iterations: int,
     if found is None:
         raise SystemExit(f"{tool} is not installed on this node (apt-get install perftest)")
     return [found, *flags, *args[1:]]
+
+
+class CpuClock:
+    """This process's CPU time from now: per round trip, all of it and user's."""
+
+    def __init__(self) -> None:
+        self.started = resource.getrusage(resource.RUSAGE_SELF)
+
+    def per_round_trip(self, count: int) -> dict[str, float]:
+        now = resource.getrusage(resource.RUSAGE_SELF)
+        user = now.ru_utime - self.started.ru_utime
+        system = now.ru_stime - self.started.ru_stime
+        return {"cpu_us_per_rtt": (user + system) / count * 1e6,
+                "user_us_per_rtt": user / count * 1e6}
 
 
 def stuck_after(seconds: float = STUCK_SECONDS) -> Callable[[], None]:
@@ -224,6 +241,12 @@ def answer_until(side: Side, total: int, done: asyncio.Future[None]) -> Callable
     return answer
 
 
+def lost(answered: asyncio.Future[None]) -> None:
+    if not answered.done():
+        answered.set_exception(TimeoutError(f"no answer within {STUCK_SECONDS:g} s: the wire "
+                                          "or the other node stopped (`kvctl lab status`)"))
+
+
 def resolve(answered: asyncio.Future[None]) -> Callable[[int], None]:
     def received(imm: int) -> None:
         if not answered.done():
@@ -257,10 +280,10 @@ async def echo(size: int, iterations: int) -> None:
             server_process = await perftest.start_server(args, PERFTEST_PORT)
             await _send_line(writer, {"ready": True})
             await server_process.wait()
-            await _send_line(writer, {"cpu_us_per_rtt": None})
+            await _send_line(writer, {})
             continue
         side.received = 0
-        cpu = time.process_time()
+        clock = CpuClock()
         if step == "pyverbs":
             await _send_line(writer, {"ready": True})
             answered = 0
@@ -281,7 +304,7 @@ async def echo(size: int, iterations: int) -> None:
             await _send_line(writer, {"ready": True})
             await asyncio.wait_for(done, STUCK_SECONDS + iterations)
             side.on_received = side.answer
-        await _send_line(writer, {"cpu_us_per_rtt": (time.process_time() - cpu) / total * 1e6})
+        await _send_line(writer, clock.per_round_trip(total))
     side.channel.close()
     side.responder.close()
     await side.transport.stop()
@@ -320,18 +343,19 @@ async def ping(peer: str, size: int, iterations: int, rounds: int) -> dict[str, 
                 if code != 0:
                     raise SystemExit(f"{LABELS[step]} failed ({code}): {out[-500:]}")
                 theirs = perftest.parse_latency(out, size)
-                # Busy-polling, it spins through its whole round trip; asleep,
-                # its CPU is not measured here.
-                figures[step] = {"p50_us": theirs.typical_us, "cpu_us_per_rtt": (
-                    None if step == "ib_send_lat_events" else 2 * theirs.typical_us)}
+                # Busy-polling, it spins through its whole round trip, in user
+                # space; asleep, its CPU is not measured here.
+                spun = None if step == "ib_send_lat_events" else 2 * theirs.typical_us
+                figures[step] = {"p50_us": theirs.typical_us,
+                                 "near": {"cpu_us_per_rtt": spun, "user_us_per_rtt": spun},
+                                 "far": {"cpu_us_per_rtt": None, "user_us_per_rtt": None}}
                 await _read_line(reader)
                 continue
             pings = {"pyverbs": _bare_pings, "busy": _busy_pings, "asleep": _asleep_pings}
-            rtts, cpu = await pings[step](side, iterations)
-            far = await _read_line(reader)
+            rtts, near = await pings[step](side, iterations)
             figures[step] = {"p50_us": percentile(rtts, 50) / 2 * 1e6,
                              "p99_us": percentile(rtts, 99) / 2 * 1e6,
-                             "cpu_us_per_rtt": cpu, "far_cpu_us_per_rtt": far["cpu_us_per_rtt"]}
+                             "near": near, "far": await _read_line(reader)}
         results.append(figures)
     await _send_line(writer, {"step": None})
     side.channel.close()
@@ -340,9 +364,9 @@ async def ping(peer: str, size: int, iterations: int, rounds: int) -> dict[str, 
     return {"size": size, "iterations": iterations, "rounds": results}
 
 
-async def _bare_pings(side: Side, iterations: int) -> tuple[list[float], float]:
+async def _bare_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
-    cpu = time.process_time()
+    clock = CpuClock()
     for n in range(WARMUP + iterations):
         started = time.perf_counter()
         side.bare.send(n)
@@ -350,12 +374,12 @@ async def _bare_pings(side: Side, iterations: int) -> tuple[list[float], float]:
         if n >= WARMUP:
             rtts.append(time.perf_counter() - started)
     side.bare.drain()
-    return rtts, (time.process_time() - cpu) / (WARMUP + iterations) * 1e6
+    return rtts, clock.per_round_trip(WARMUP + iterations)
 
 
-async def _busy_pings(side: Side, iterations: int) -> tuple[list[float], float]:
+async def _busy_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
-    cpu = time.process_time()
+    clock = CpuClock()
     for n in range(WARMUP + iterations):
         before = side.received
         started = time.perf_counter()
@@ -371,24 +395,28 @@ async def _busy_pings(side: Side, iterations: int) -> tuple[list[float], float]:
     while side.channel.pending_writes:
         side.poll()
         stuck()
-    return rtts, (time.process_time() - cpu) / (WARMUP + iterations) * 1e6
+    return rtts, clock.per_round_trip(WARMUP + iterations)
 
 
-async def _asleep_pings(side: Side, iterations: int) -> tuple[list[float], float]:
+async def _asleep_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
     loop = asyncio.get_running_loop()
-    cpu = time.process_time()
+    clock = CpuClock()
     for n in range(WARMUP + iterations):
         answered: asyncio.Future[None] = loop.create_future()
         side.on_received = resolve(answered)
         started = time.perf_counter()
         sent = side.send(n)
-        await asyncio.wait_for(answered, STUCK_SECONDS)
+        # A bare timer, as the daemons' pings have: wait_for's task and
+        # callbacks would be the benchmark's cost, not the transport's.
+        timer = loop.call_later(STUCK_SECONDS, lost, answered)
+        await answered
+        timer.cancel()
         if n >= WARMUP:
             rtts.append(time.perf_counter() - started)
         await sent
     side.on_received = ignore
-    return rtts, (time.process_time() - cpu) / (WARMUP + iterations) * 1e6
+    return rtts, clock.per_round_trip(WARMUP + iterations)
 
 
 # ------------------------------------------------------------------ on the host
@@ -429,10 +457,11 @@ def summarize(measured: dict[str, Any]) -> dict[str, Any]:
             figures[step]["p50_us"], figures["ib_write_lat"]["p50_us"])) is not None]
         row: dict[str, Any] = {
             "p50_us": statistics.median(f[step]["p50_us"] for f in rounds),
-            "cpu_us_per_rtt": _median_or_none([f[step]["cpu_us_per_rtt"] for f in rounds]),
-            "far_cpu_us_per_rtt": _median_or_none(
-                [f[step].get("far_cpu_us_per_rtt") for f in rounds]),
             "round_ratios": ratios}
+        for end in ("near", "far"):
+            for figure in ("cpu_us_per_rtt", "user_us_per_rtt"):
+                row[f"{end}_{figure}"] = _median_or_none(
+                    [f[step][end][figure] for f in rounds])
         with_spread(row, "x_ib_write_lat", ratios)
         steps[step] = row
     return {**measured, "steps": steps}
@@ -447,13 +476,17 @@ def table(summary: dict[str, Any]) -> str:
     lines = [f"{summary['size']} B half round trip, {len(summary['rounds'])} round(s) of "
              f"{summary['iterations']}; x ib_write_lat: the median of each round's p50 over "
              "that round's ib_write_lat, lowest and highest round",
+             "CPU µs/rtt: each end's user and system time per round trip, and the user part "
+             "(the prefill node's, then the decode node's)",
              f"{'path':36}  {'p50 µs':>8}  {'x ib_write_lat':<36}  {'CPU µs/rtt':>10}  "
-             f"{'far end':>7}"]
+             f"{'user':>6}  {'far end':>7}  {'user':>6}"]
     for step, row in summary["steps"].items():
         ratio = "" if step == "ib_write_lat" else times(ratio_spread(row, "x_ib_write_lat"))
         lines.append(f"{LABELS[step]:36}  {row['p50_us']:8.1f}  {ratio:<36}  "
-                     f"{number(row['cpu_us_per_rtt'], '.0f'):>10}  "
-                     f"{number(row['far_cpu_us_per_rtt'], '.0f'):>7}")
+                     f"{number(row['near_cpu_us_per_rtt'], '.0f'):>10}  "
+                     f"{number(row['near_user_us_per_rtt'], '.0f'):>6}  "
+                     f"{number(row['far_cpu_us_per_rtt'], '.0f'):>7}  "
+                     f"{number(row['far_user_us_per_rtt'], '.0f'):>6}")
     return "\n".join(lines)
 
 
