@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import resource
 import shutil
 import socket
 import statistics
@@ -50,7 +49,7 @@ from typing import Any
 from kvctl.figures import number, ratio_spread, times, with_spread
 from kvwired import analysis
 from kvwired.analysis import percentile
-from kvwired.experiments import perftest
+from kvwired.experiments import cpu, perftest
 from kvwired.pool import SharedMemory
 from kvwired.rdma import GidEntry, gid_table, pick_gid
 from kvwired.transport.base import DataChannel, Responder, Write
@@ -74,6 +73,8 @@ LABELS = {"ib_write_lat": "ib_write_lat (C, busy-polls)",
           "asleep": "kvwire transport, asleep on uvloop"}
 PERFTEST_TIMEOUT = 120.0
 STUCK_SECONDS = 30.0  # a round trip that has not come back by then is lost: say so
+LOST = (f"no answer within {STUCK_SECONDS:g} s: the wire or the other node stopped "
+        "(`kvctl lab status`)")
 
 
 def perftest_args(step: str, gid: GidEntry, size: int, iterations: int,
@@ -86,18 +87,12 @@ def perftest_args(step: str, gid: GidEntry, size: int, iterations: int,
     return [found, *flags, *args[1:]]
 
 
-class CpuClock:
-    """This process's CPU time from now: per round trip, all of it and user's."""
-
-    def __init__(self) -> None:
-        self.started = resource.getrusage(resource.RUSAGE_SELF)
-
-    def per_round_trip(self, count: int) -> dict[str, float]:
-        now = resource.getrusage(resource.RUSAGE_SELF)
-        user = now.ru_utime - self.started.ru_utime
-        system = now.ru_stime - self.started.ru_stime
-        return {"cpu_us_per_rtt": (user + system) / count * 1e6,
-                "user_us_per_rtt": user / count * 1e6}
+def per_round_trip(started: cpu.CpuTimes, size: int, count: int) -> dict[str, float]:
+    """This process's CPU since ``started`` over ``count`` round trips: all of
+    it, and the user part."""
+    cost = cpu.WriteCost(size, count, cpu.own() - started)
+    return {"cpu_us_per_rtt": cost.user_us_per_write + cost.system_us_per_write,
+            "user_us_per_rtt": cost.user_us_per_write}
 
 
 def stuck_after(seconds: float = STUCK_SECONDS) -> Callable[[], None]:
@@ -106,8 +101,7 @@ def stuck_after(seconds: float = STUCK_SECONDS) -> Callable[[], None]:
 
     def check() -> None:
         if time.monotonic() > deadline:
-            raise SystemExit(f"no answer within {seconds:g} s: the wire or the other node "
-                             "stopped (`kvctl lab status`)")
+            raise SystemExit(LOST)
     return check
 
 
@@ -243,8 +237,7 @@ def answer_until(side: Side, total: int, done: asyncio.Future[None]) -> Callable
 
 def lost(answered: asyncio.Future[None]) -> None:
     if not answered.done():
-        answered.set_exception(TimeoutError(f"no answer within {STUCK_SECONDS:g} s: the wire "
-                                          "or the other node stopped (`kvctl lab status`)"))
+        answered.set_exception(TimeoutError(LOST))
 
 
 def resolve(answered: asyncio.Future[None]) -> Callable[[int], None]:
@@ -283,7 +276,7 @@ async def echo(size: int, iterations: int) -> None:
             await _send_line(writer, {})
             continue
         side.received = 0
-        clock = CpuClock()
+        cpu_before = cpu.own()
         if step == "pyverbs":
             await _send_line(writer, {"ready": True})
             answered = 0
@@ -304,7 +297,7 @@ async def echo(size: int, iterations: int) -> None:
             await _send_line(writer, {"ready": True})
             await asyncio.wait_for(done, STUCK_SECONDS + iterations)
             side.on_received = side.answer
-        await _send_line(writer, clock.per_round_trip(total))
+        await _send_line(writer, per_round_trip(cpu_before, size, total))
     side.channel.close()
     side.responder.close()
     await side.transport.stop()
@@ -366,7 +359,7 @@ async def ping(peer: str, size: int, iterations: int, rounds: int) -> dict[str, 
 
 async def _bare_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
-    clock = CpuClock()
+    cpu_before = cpu.own()
     for n in range(WARMUP + iterations):
         started = time.perf_counter()
         side.bare.send(n)
@@ -374,12 +367,12 @@ async def _bare_pings(side: Side, iterations: int) -> tuple[list[float], dict[st
         if n >= WARMUP:
             rtts.append(time.perf_counter() - started)
     side.bare.drain()
-    return rtts, clock.per_round_trip(WARMUP + iterations)
+    return rtts, per_round_trip(cpu_before, side.size, WARMUP + iterations)
 
 
 async def _busy_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
-    clock = CpuClock()
+    cpu_before = cpu.own()
     for n in range(WARMUP + iterations):
         before = side.received
         started = time.perf_counter()
@@ -395,13 +388,13 @@ async def _busy_pings(side: Side, iterations: int) -> tuple[list[float], dict[st
     while side.channel.pending_writes:
         side.poll()
         stuck()
-    return rtts, clock.per_round_trip(WARMUP + iterations)
+    return rtts, per_round_trip(cpu_before, side.size, WARMUP + iterations)
 
 
 async def _asleep_pings(side: Side, iterations: int) -> tuple[list[float], dict[str, float]]:
     rtts = []
     loop = asyncio.get_running_loop()
-    clock = CpuClock()
+    cpu_before = cpu.own()
     for n in range(WARMUP + iterations):
         answered: asyncio.Future[None] = loop.create_future()
         side.on_received = resolve(answered)
@@ -416,7 +409,7 @@ async def _asleep_pings(side: Side, iterations: int) -> tuple[list[float], dict[
             rtts.append(time.perf_counter() - started)
         await sent
     side.on_received = ignore
-    return rtts, clock.per_round_trip(WARMUP + iterations)
+    return rtts, per_round_trip(cpu_before, side.size, WARMUP + iterations)
 
 
 # ------------------------------------------------------------------ on the host
