@@ -64,12 +64,16 @@ class PostLedger:
         inner.add_done_callback(lambda done: self._settled(number, record, done))
 
     def _settled(self, number: int, record: Posted, inner: asyncio.Future[None]) -> None:
+        # Read first, whatever follows: an inner future failed after its post
+        # was posted again, or after the link ended the outer one, is read by
+        # nobody else, and asyncio would log each as an exception never
+        # retrieved (one line per pending write when a channel stalls).
+        error = asyncio.CancelledError() if inner.cancelled() else inner.exception()
         if record.inner is not inner or record.outer.done():
             return  # posted again since, or ended by the link
-        if inner.cancelled():
-            self._end(number, record, asyncio.CancelledError())
+        if isinstance(error, asyncio.CancelledError):
+            self._end(number, record, error)
             return
-        error = inner.exception()
         if error is None:
             self._end(number, record, None)
         elif number not in self.replacing:

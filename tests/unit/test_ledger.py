@@ -4,6 +4,7 @@ and every post ends once, whatever the channel does."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Sequence
 
 from hypothesis import given, settings
@@ -169,3 +170,29 @@ def test_every_post_ends_once_and_reposts_keep_the_order(steps: list[str],
         if not gone and not any(s == "fail-give-up" for s in steps):
             assert all(o.exception() is None for o in outers)
     asyncio.run(run())
+
+
+async def test_a_channel_failing_after_the_link_ended_its_posts_leaves_nothing_unread() -> None:
+    # The link gives up first (its control connection saw the stall), then the
+    # stalled channel fails what it still held: the inner futures' errors
+    # are nobody's to await, and none may surface as "exception was never
+    # retrieved" when collected.
+    loop = asyncio.get_running_loop()
+    unread: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: unread.append(context))
+    try:
+        ledger = PostLedger()
+        ledger.reset(1)
+        channel = FakeChannel()
+        outers = [ledger.post(0, channel, [Write(n, n, 1)], n, lease=7, key=100)
+                  for n in range(3)]
+        ledger.fail_all(PeerLost("link lost"))
+        channel.fail(TransportError("placed nothing for 6.2 s"), quiet=True)
+        await _settle()
+        assert all(isinstance(o.exception(), PeerLost) for o in outers)
+        del outers, channel, ledger
+        gc.collect()
+        await _settle()
+        assert unread == []
+    finally:
+        loop.set_exception_handler(None)
