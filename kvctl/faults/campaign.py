@@ -258,6 +258,8 @@ class Campaign:
             hogs = self._hog(scenario.action)
         if scenario.netem:
             self.deployment.wire(scenario.netem)
+        if scenario.action == "memlock" and scenario.target:
+            self.deployment.lower_memlock(scenario.target)  # felt at the strike's restart
         result.iterations += 1
         result.attempted += 1
         endings, struck_at, hung = self._push(

@@ -65,6 +65,8 @@ class Deployment(Protocol):
 
     def stall(self, role: str) -> None: ...
 
+    def lower_memlock(self, role: str) -> None: ...
+
     def starve_memlock(self, role: str) -> str | None: ...
 
     def restart(self, role: str) -> None: ...
@@ -221,6 +223,9 @@ class NetnsDeployment:
 
     def stall(self, role: str) -> None:
         raise NotImplementedError(self.supports("stall"))
+
+    def lower_memlock(self, role: str) -> None:
+        raise NotImplementedError(self.supports("memlock"))
 
     def starve_memlock(self, role: str) -> str | None:
         raise NotImplementedError(self.supports("memlock"))

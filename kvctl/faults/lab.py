@@ -266,16 +266,29 @@ class LabDeployment:
         daemon.signal("STOP")  # first: asking for its pid is another trip into the node
         self._stalled[role] = daemon.pid
 
-    def starve_memlock(self, role: str) -> str | None:
-        """Restart the daemon under a 64 KiB memlock limit (a drop-in in /run,
-        gone at ``supervise``); the line in which it refused, if it did."""
+    def lower_memlock(self, role: str) -> None:
+        """Give the daemon a 64 KiB memlock limit from its next start (a drop-in
+        in /run, gone at ``supervise``); the running one keeps its own.
+
+        Before the push, not at its fault point: a daemon-reload is tens of
+        seconds of PID 1 on the lab's emulated CPU, long enough for the push
+        to stall on the node's busy CPU and fail on that instead."""
         daemon = self.daemons[role]
         dropin = _runtime_dropin(daemon)
-        run_in(daemon.node, ["sh", "-c", f"mkdir -p {dropin} && printf '[Service]\\n"
-                             f"LimitMEMLOCK=64K\\n' > {dropin}/memlock.conf && "
-                             f"systemctl daemon-reload && systemctl restart {daemon.unit}"],
-               state=self.state)  # fails: the daemon exits before READY=1
+        code, out, err = run_in(daemon.node, [
+            "sh", "-c", f"mkdir -p {dropin} && printf '[Service]\\nLimitMEMLOCK=64K\\n' "
+                        f"> {dropin}/memlock.conf && systemctl daemon-reload"],
+            state=self.state)
+        if code != 0:
+            raise RuntimeError(f"a memlock drop-in for {daemon.unit}: {out}{err}")
         self._starved.add(role)
+
+    def starve_memlock(self, role: str) -> str | None:
+        """Restart the daemon under the limit ``lower_memlock`` set; the line
+        in which it refused, if it did."""
+        daemon = self.daemons[role]
+        run_in(daemon.node, ["systemctl", "restart", daemon.unit],
+               state=self.state)  # fails: the daemon exits before READY=1
         self._explicit_restarts += 1
         refusals = [line for line in daemon.log_tail(40).splitlines()
                     if "RLIMIT_MEMLOCK" in line]
