@@ -150,6 +150,9 @@ class SenderDaemon(Daemon):
     async def say_goodbye(self) -> None:
         for link in self.links.values():
             link.say_goodbye("the sender is shutting down")
+        # The links' queue pairs are gone: now the devices, with the staging's
+        # registrations (the pools are closed after this, as the receiver's).
+        await self.transport.stop()
 
     def reload(self, fresh: Any) -> None:
         assert isinstance(fresh, SenderConfig)

@@ -7,7 +7,9 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -683,6 +685,10 @@ async def test_daemons_stopped_in_process_give_their_pools_back(tmp_path: Path) 
     # daemons, never freed while the process lived (a test run grew by
     # gigabytes). A view still held past the stop keeps only the mapping.
     local = await start_local(tmp_path)
+    stopped: list[str] = []
+    for daemon in (local.sender, local.receiver):
+        daemon.transport.stop = _noting(daemon.transport.stop, daemon.role,  # type: ignore[method-assign]
+                                        stopped)
     receive = os.fstat(local.receiver.pool.memory.fd).st_ino
     staging = os.fstat(local.sender.staging.memory.fd).st_ino
     async with await SenderClient.connect(local.sender_socket) as engine:
@@ -693,7 +699,17 @@ async def test_daemons_stopped_in_process_give_their_pools_back(tmp_path: Path) 
     await local.sender.stop()
     await local.receiver.stop()
     assert _descriptors_of({receive, staging}) == [receive]
+    assert stopped == ["sender", "receiver"]  # each closed its devices (verbs: the MRs)
     assert bytes(held) == b"x" * 16  # the mapping outlives the stop while viewed
     held.release()
     local.receiver.pool.close()  # again: now the mapping goes too
     assert _descriptors_of({receive, staging}) == []
+
+
+def _noting(stop: Callable[[], Coroutine[Any, Any, None]], role: str,
+            stopped: list[str]) -> Callable[[], Coroutine[Any, Any, None]]:
+    """``stop`` itself, that also notes ``role`` in ``stopped`` when called."""
+    async def noted() -> None:
+        stopped.append(role)
+        await stop()
+    return noted
