@@ -1,5 +1,6 @@
-"""Where a small write's round trip goes: perftest's, pyverbs' alone,
-kvwire's transport busy-polled and asleep on the event loop, in one run.
+"""Where a small write's round trip goes: perftest's, kvwire's compiled
+verbs core alone, kvwire's transport busy-polled and asleep on the event
+loop, in one run.
 
 Needs the lab (`kvctl lab up`); run from the checkout on the host:
 `python -m benchmarks.round_trip`. It starts one process on each node; the
@@ -12,9 +13,10 @@ same link one after the other:
   events): a compiled ping-pong whose every message consumes a receive and
   produces a completion, as a write with immediate does; the pair says
   what a compiled path's wake-up costs on this link;
-- **pyverbs alone, busy-polled**: a queue pair of the same kind driven with
-  the fewest pyverbs calls a write and its answer take (post, poll, re-post
-  the receive): the interpreter's and pyverbs' floor, no kvwire code;
+- **the core alone, busy-polled**: a queue pair of the same kind driven with
+  the fewest calls into kvwire's compiled verbs core a write and its answer
+  take (post, poll, re-post the receive), from a Python loop: the floor of
+  any path that keeps Python in charge, with none of the transport's code;
 - **transport, busy-polled**: kvwire's own verbs transport objects (the
   daemons' queue pairs, send queue accounting and receive re-posting), a
   WRITE_WITH_IMM each way, each side polling its completion queues in a
@@ -38,7 +40,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import sys
 import threading
@@ -53,7 +54,7 @@ from kvwired.experiments import cpu, perftest
 from kvwired.pool import SharedMemory
 from kvwired.rdma import GidEntry, gid_table, pick_gid
 from kvwired.transport.base import DataChannel, Responder, Write
-from kvwired.transport.verbs import VerbsTransport
+from kvwired.transport.verbs import VerbsTransport, core
 from kvwired.transport.verbs.channel import VerbsDataChannel
 from kvwired.transport.verbs.queue_pair import Endpoint
 from kvwired.transport.verbs.responder import VerbsResponder
@@ -64,11 +65,11 @@ WARMUP = 20
 # perftest's steps: the tool, and its flags beyond what the daemons pass it.
 PERFTEST_STEPS = {"ib_write_lat": ("ib_write_lat", []), "ib_send_lat": ("ib_send_lat", []),
                   "ib_send_lat_events": ("ib_send_lat", ["--events"])}
-STEPS = (*PERFTEST_STEPS, "pyverbs", "busy", "asleep")
+STEPS = (*PERFTEST_STEPS, "core", "busy", "asleep")
 LABELS = {"ib_write_lat": "ib_write_lat (C, busy-polls)",
           "ib_send_lat": "ib_send_lat (C, busy-polls)",
           "ib_send_lat_events": "ib_send_lat -e (C, asleep)",
-          "pyverbs": "pyverbs alone, busy-polled",
+          "core": "compiled core alone, busy-polled",
           "busy": "kvwire transport, busy-polled",
           "asleep": "kvwire transport, asleep on uvloop"}
 PERFTEST_TIMEOUT = 120.0
@@ -113,24 +114,19 @@ def ignore(imm: int) -> None:
 
 
 class Bare:
-    """A queue pair of kvwire's kind, driven with nothing but pyverbs calls."""
+    """A queue pair of kvwire's kind, driven with nothing but core calls."""
 
     RECEIVES = 64
 
     def __init__(self, transport: VerbsTransport, address: str, size: int) -> None:
-        import pyverbs.enums as e
-        from pyverbs.wr import SGE, RecvWR
-
-        self.e = e
         # Its completions are read here, in place, never by the event loop's callback.
         self.pair = transport.queue_pair(address, self.RECEIVES, lambda completions: None)
+        self.size = size
         device = self.pair.device
-        self.sge = SGE(device.base, size, device.mr.lkey)
-        self.receive = RecvWR(wr_id=0, num_sge=1,
-                              sg=[SGE(device.base, 1, self.pair.receive_lkey)])
-        for _ in range(self.RECEIVES):
-            self.pair.qp.post_recv(self.receive)
+        self.pair.qp.post_receives(device.base, 1, self.pair.receive_lkey, self.RECEIVES)
         self.rkey = self.remote = 0
+        self.write = [Write(0, 0, size)]
+        self.signalled = {0: 1}
 
     def endpoint(self) -> dict[str, Any]:
         device = self.pair.device
@@ -141,26 +137,21 @@ class Bare:
         self.rkey, self.remote = int(remote["rkey"]), int(remote["addr"])
 
     def send(self, imm: int) -> None:
-        qp = self.pair.qp
-        qp.wr_start()
-        qp.wr_id = 1
-        qp.wr_flags = self.e.IBV_SEND_SIGNALED
-        qp.wr_rdma_write_imm(self.rkey, self.remote, socket.htonl(imm & 0xFFFFFFFF))
-        qp.wr_set_sge(self.sge)
-        qp.wr_complete()
+        device = self.pair.device
+        self.pair.qp.post_writes(self.write, 0, 1, device.base, device.mr.lkey, self.remote,
+                                 self.rkey, imm & 0xFFFFFFFF, self.signalled)
 
     def received(self) -> int:
         """Poll until at least one write with immediate has come; how many came."""
         cq, got, stuck = self.pair.cq.cq, 0, stuck_after()
         while not got:
             stuck()
-            _, completions = cq.poll(16)
-            for wc in completions:
-                if wc.status != self.e.IBV_WC_SUCCESS:
-                    raise SystemExit(f"pyverbs completion failed: status {wc.status}")
-                if wc.opcode == self.e.IBV_WC_RECV_RDMA_WITH_IMM:
-                    self.pair.qp.post_recv(self.receive)
-                    got += 1
+            for _, status, opcode, _ in cq.poll(16):
+                if status != core.IBV_WC_SUCCESS:
+                    raise SystemExit(f"a completion failed: status {status}")
+                got += opcode == core.IBV_WC_RECV_RDMA_WITH_IMM
+        device = self.pair.device
+        self.pair.qp.post_receives(device.base, 1, self.pair.receive_lkey, got)
         return got
 
     def drain(self) -> None:
@@ -277,7 +268,7 @@ async def echo(size: int, iterations: int) -> None:
             continue
         side.received = 0
         cpu_before = cpu.own()
-        if step == "pyverbs":
+        if step == "core":
             await _send_line(writer, {"ready": True})
             answered = 0
             while answered < total:
@@ -344,7 +335,7 @@ async def ping(peer: str, size: int, iterations: int, rounds: int) -> dict[str, 
                                  "far": {"cpu_us_per_rtt": None, "user_us_per_rtt": None}}
                 await _read_line(reader)
                 continue
-            pings = {"pyverbs": _bare_pings, "busy": _busy_pings, "asleep": _asleep_pings}
+            pings = {"core": _bare_pings, "busy": _busy_pings, "asleep": _asleep_pings}
             rtts, near = await pings[step](side, iterations)
             figures[step] = {"p50_us": percentile(rtts, 50) / 2 * 1e6,
                              "p99_us": percentile(rtts, 99) / 2 * 1e6,
@@ -493,7 +484,7 @@ def main() -> None:
     parser.add_argument("--peer", default="", help="ping: the echoing node's wire address")
     parser.add_argument("--json", action="store_true", help="print the JSON document")
     args = parser.parse_args()
-    import uvloop  # the daemons' loop; imported here, where pyverbs is there too
+    import uvloop  # the daemons' loop; imported here, on a node
 
     if args.where == "echo":
         uvloop.run(echo(args.size, args.iterations))

@@ -2,6 +2,8 @@
 # Installs the Debian packages kvwire needs, only those missing.
 # python3-venv: the venv; iproute2: the two-namespace harness and `rdma`;
 # rdma-core, ibverbs-utils, python3-pyverbs: the verbs transport and probes;
+# gcc, libibverbs-dev, python3-dev: the verbs transport's compiled core, built
+# when kvwire is installed (kvwired/transport/verbs/_ibv.c);
 # qemu-system-x86, linux-image-amd64 (ships rdma_rxe), busybox-static,
 # perftest: the two-node Soft-RoCE lab and its baseline; systemd: the units
 # (systemd-analyze); prometheus: the real server the metrics tests scrape with;
@@ -11,7 +13,7 @@
 set -euo pipefail
 
 packages=(python3 python3-venv python3-pip python3-cryptography iproute2 rdma-core
-          ibverbs-utils python3-pyverbs
+          ibverbs-utils python3-pyverbs gcc libibverbs-dev python3-dev
           qemu-system-x86 linux-image-amd64 busybox-static perftest systemd prometheus
           nftables etcd-server)
 missing=()

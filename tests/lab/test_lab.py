@@ -120,11 +120,13 @@ for name in ("rxe0", "rxe1"):
 def test_the_transport_suite_passes_over_rdma_rxe_in_a_node(lab: LabState) -> None:
     # tests/unit/test_transport.py, the suite the tcp transport passes here, run
     # over verbs where rdma_rxe is: both ends on the decode node's rxe0. With
-    # it, the GID table the devices answer against the one sysfs lists.
+    # it, the GID table the devices answer against the one sysfs lists, and
+    # the compiled core's objects on a real device.
     unit = Path(__file__).parents[1] / "unit"
     code, out, err = run_in("decode", [sys.executable, "-m", "pytest",
                                        str(unit / "test_transport.py"),
-                                       str(unit / "test_verbs_gids.py"), "-k", "verbs",
+                                       str(unit / "test_verbs_gids.py"),
+                                       str(unit / "test_verbs_core.py"), "-k", "verbs",
                                        "-q", "-p", "no:cacheprovider"], state=lab)
     assert code == 0, out + err
     assert "skipped" not in out and " passed" in out, out
@@ -185,14 +187,14 @@ def test_the_round_trip_is_broken_down_beside_ib_write_lat(lab: LabState) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(done.stdout)
     steps = summary["steps"]
-    assert list(steps) == ["ib_write_lat", "ib_send_lat", "ib_send_lat_events", "pyverbs",
+    assert list(steps) == ["ib_write_lat", "ib_send_lat", "ib_send_lat_events", "core",
                            "busy", "asleep"]
     theirs = summary["rounds"][0]["ib_write_lat"]["p50_us"]
     assert theirs > 0
     for step, row in list(steps.items())[1:]:
         print(f"{step}: {row['p50_us']:.0f} µs, x{row['x_ib_write_lat']:.2f} ib_write_lat")
         assert row["x_ib_write_lat"] == pytest.approx(row["p50_us"] / theirs)
-    for step in ("pyverbs", "busy", "asleep"):
+    for step in ("core", "busy", "asleep"):
         # Both ends measured their own CPU over the same round trips.
         row = steps[step]
         assert row["near_cpu_us_per_rtt"] >= row["near_user_us_per_rtt"] >= 0

@@ -1,4 +1,5 @@
-"""The RDMA data path: pyverbs, RC queue pairs, RoCE v2 (Soft-RoCE included).
+"""The RDMA data path: RC queue pairs over RoCE v2 (Soft-RoCE included),
+posted to and polled by a compiled core over libibverbs (``_ibv.c``).
 
 What the code must respect (docs/DESIGN.md, "RDMA facts"):
 
@@ -13,18 +14,22 @@ What the code must respect (docs/DESIGN.md, "RDMA facts"):
 - receiver-not-ready retries are bounded (``rnr_retry`` 6: 7 is endless), so a
   missing receive is a completion error within seconds; ``retry_cnt`` is 7
   (endless on rxe) and a dead peer is bounded by the link's progress check;
-- writes are posted as lists through the QPEx ``wr_*`` API, one signalled
-  work request per post (and every ``SIGNAL_EVERY``), completions polled in
-  batches;
+- writes are posted a burst per call into the core, chained (one doorbell
+  per chain), one signalled work request per post (and every
+  ``SIGNAL_EVERY``), completions polled in batches;
 - completions wake the event loop through the completion channel's file
   descriptor: no thread, no spinning while idle, no polling interval added
-  while busy. pyverbs 44 does not expose that descriptor, so it is found as
-  the ``[infinibandevent]`` descriptor that creating the channel opened.
+  while busy. A wake-up is one call into the core (take the event,
+  acknowledge, re-arm, reap);
+- pyverbs is not on the data path: its objects hand out no verbs handles
+  for compiled code to use. It reads the GID table (``gids``) and serves the
+  probe.
 
 Its parts, bottom to top (mirrored by name in ``kvwired.transport.tcp``):
 ``send_queue`` (I/O-free: which writes go next, which are signalled),
-``device``, ``completions``, ``queue_pair``, ``keys`` (per-lease keys),
-``channel`` (the initiator's end), ``responder`` and ``transport``.
+``core`` (the compiled objects), ``device``, ``completions``, ``queue_pair``,
+``keys`` (per-lease keys), ``channel`` (the initiator's end), ``responder``
+and ``transport``.
 """
 
 from .transport import VerbsTransport

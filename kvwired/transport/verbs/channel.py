@@ -1,24 +1,22 @@
 """The initiator's end: a queue pair whose send queue carries the writes.
 
-Writes are posted as lists through the QPEx ``wr_*`` API, in the bursts
-and with the signals that ``SendQueue`` decides; completions come back
-from the completion queue in batches and end the posts they account for.
+Writes are posted a burst per call into the compiled core (chained work
+requests, one doorbell per chain), in the bursts and with the signals that
+``SendQueue`` decides; completions come back from the completion queue in
+batches and end the posts they account for.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
-import pyverbs.enums as e
-from pyverbs.pyverbs_error import PyverbsError
-from pyverbs.wr import SGE
-
 from ...errors import TransportError
 from ..base import DataChannel, Initiator, Write
-from .completions import completion_error
+from . import core
+from .completions import Completion, completion_error
+from .core import VerbsError
 from .queue_pair import Endpoint, QueuePair, QueuePairs
 from .send_queue import Post, SendQueue
 
@@ -36,8 +34,7 @@ class VerbsDataChannel(DataChannel):
         self._remote_base = int(remote["addr"])
         self._remote_size = int(remote["size"])
         self._local_base = qp.device.base
-        # One SGE, refilled per work request: wr_set_sge copies it into the WQE.
-        self._sge = SGE(qp.device.base, 1, qp.device.mr.lkey)
+        self._lkey = qp.device.mr.lkey
         self._max_message = qp.device.max_message(qp.gid.port)
         self._sq: SendQueue[Future] = SendQueue()
         self._error: TransportError | None = None
@@ -88,45 +85,25 @@ class VerbsDataChannel(DataChannel):
 
     def _post_some(self) -> None:
         """Put as many writes on the send queue as fit, a burst at a time."""
-        qp, sge, sq = self._qp.qp, self._sge, self._sq
+        qp, sq = self._qp.qp, self._sq
         while self._error is None and (burst := sq.next_burst()) is not None:
-            post, signalled, last = burst.post, burst.signalled, burst.last_of_post
-            writes = post.writes
+            post = burst.post
             try:
-                qp.wr_start()
-                for i in range(burst.start, burst.end):
-                    w = writes[i]
-                    wr_id = signalled.get(i)
-                    if wr_id is None:
-                        qp.wr_flags = 0
-                    else:
-                        qp.wr_id = wr_id
-                        qp.wr_flags = e.IBV_SEND_SIGNALED
-                    remote = self._remote_base + w.remote_offset
-                    if i == last and post.imm is not None:
-                        qp.wr_rdma_write_imm(post.key, remote, post.imm)
-                    else:
-                        qp.wr_rdma_write(post.key, remote)
-                    sge.addr = self._local_base + w.local_offset
-                    sge.length = w.length
-                    qp.wr_set_sge(sge)
-                qp.wr_complete()
-            except PyverbsError as exc:
+                qp.post_writes(post.writes, burst.start, burst.end, self._local_base,
+                               self._lkey, self._remote_base, post.key, post.imm,
+                               burst.signalled)
+            except VerbsError as exc:
                 self.fail(TransportError(f"posting RDMA writes failed: {exc}"))
                 return
-            except BaseException:
-                with contextlib.suppress(PyverbsError):
-                    qp.wr_abort()
-                raise
             sq.posted(burst)
 
-    def on_completions(self, completions: list[Any]) -> None:
-        for wc in completions:
-            if wc.status != e.IBV_WC_SUCCESS:
-                self.fail(completion_error(wc.status, self._qp.qp.qp_num, "RDMA write"))
+    def on_completions(self, completions: list[Completion]) -> None:
+        for wr_id, status, _, _ in completions:
+            if status != core.IBV_WC_SUCCESS:
+                self.fail(completion_error(status, self._qp.qp.qp_num, "RDMA write"))
                 return
             self._progressed()
-            for future in self._sq.completed(wc.wr_id):
+            for future in self._sq.completed(wr_id):
                 if not future.done():
                     future.set_result(None)
         self._post_some()
@@ -156,7 +133,7 @@ class VerbsInitiator(Initiator):
             offer["rail"] = self._rail
         return offer
 
-    def _on_completions(self, completions: list[Any]) -> None:
+    def _on_completions(self, completions: list[Completion]) -> None:
         if self._channel is not None:
             self._channel.on_completions(completions)
 

@@ -13,19 +13,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
-
-import pyverbs.enums as e
-from pyverbs.mr import MR, MW, MWBindInfo
-from pyverbs.pd import PD
-from pyverbs.pyverbs_error import PyverbsError
 
 from ...errors import TransportError
+from . import core
+from .core import VerbsError
 from .queue_pair import QueuePair
 
-# One signalled work request on the send queue (``build`` fills it in); ``done``
-# hears how it ended, and ``what`` names it in an error.
-PostSend = Callable[[Callable[[Any], None], Callable[[Exception | None], None], str], None]
+# One work request, posted signalled on a queue pair under the wr_id given.
+SendWork = Callable[[core.QueuePair, int], None]
+# Posts ``work`` on the responder's send queue; ``done`` hears how it ended,
+# and ``what`` names it in an error.
+PostSend = Callable[[SendWork, Callable[[Exception | None], None], str], None]
 
 
 class Window:
@@ -37,9 +35,12 @@ class Window:
     # retired instead, and a new one (a new index) takes its place.
     MAX_BINDINGS = 255
 
-    def __init__(self, pd: PD) -> None:
-        self.mw = MW(pd, e.IBV_MW_TYPE_2)
-        self.rkey = int(self.mw.rkey)
+    def __init__(self, pd: core.ProtectionDomain) -> None:
+        try:
+            self.mw = core.MemoryWindow(pd)
+        except VerbsError as exc:
+            raise TransportError(f"allocating a memory window failed: {exc}") from exc
+        self.rkey = self.mw.rkey
         self.bindings = 0
 
     def next_key(self) -> int:
@@ -59,7 +60,8 @@ class LeaseKeys:
         self._post_send = post_send
         self._windows: dict[int, Window] = {}  # bound, by key
         self._spare: list[Window] = []  # invalidated, to bind again
-        self._lease_mrs: dict[int, MR] = {}  # software devices: an MR per lease, by key
+        # Software devices: an MR per lease, by key.
+        self._lease_mrs: dict[int, core.MemoryRegion] = {}
         self._used_keys: set[int] = set()
 
     async def grant(self, qp: QueuePair, offset: int, length: int) -> int:
@@ -68,9 +70,9 @@ class LeaseKeys:
         window = self._spare.pop() if self._spare else Window(qp.device.pd)
         key = window.next_key()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        bind = MWBindInfo(qp.device.mr, qp.device.base + offset, length,
-                          e.IBV_ACCESS_REMOTE_WRITE)
-        self._post_send(lambda q: q.wr_bind_mw(window.mw, key, bind),
+        mr, address = qp.device.mr, qp.device.base + offset
+        self._post_send(lambda q, wr_id: q.bind_window(window.mw, key, mr, address, length,
+                                                       core.IBV_ACCESS_REMOTE_WRITE, wr_id),
                         lambda error: settle(done, error), "binding a memory window")
         await done
         self._windows[key] = window
@@ -83,17 +85,17 @@ class LeaseKeys:
         key byte at random, and an index comes back once freed)."""
         for _ in range(16):
             try:
-                mr = MR(qp.pd, length, e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE,
-                        address=qp.device.base + offset)
-            except PyverbsError as exc:
+                mr = core.MemoryRegion(qp.pd, qp.device.base + offset, length,
+                                       core.IBV_ACCESS_LOCAL_WRITE | core.IBV_ACCESS_REMOTE_WRITE)
+            except VerbsError as exc:
                 raise TransportError(f"registering a lease's {length} B failed: {exc}",
                                      hint="check the locked-memory limit") from exc
-            key = int(mr.rkey)
+            key = mr.rkey
             if key not in self._used_keys:
                 self._used_keys.add(key)
                 self._lease_mrs[key] = mr
                 return key
-            with contextlib.suppress(PyverbsError):
+            with contextlib.suppress(VerbsError):
                 mr.close()
         raise TransportError("no fresh remote key after 16 registrations")
 
@@ -101,7 +103,7 @@ class LeaseKeys:
         lease_mr = self._lease_mrs.pop(key, None)
         if lease_mr is not None:
             # Deregistered: the RNIC refuses the key from now on, in flight or not.
-            with contextlib.suppress(PyverbsError):
+            with contextlib.suppress(VerbsError):
                 lease_mr.close()
             then()
             return
@@ -114,19 +116,19 @@ class LeaseKeys:
             if error is None and not window.worn_out:
                 self._spare.append(window)
             elif error is None:
-                with contextlib.suppress(PyverbsError):
+                with contextlib.suppress(VerbsError):
                     window.mw.close()
             then()  # on an error the QP is torn down: no write can land either
-        self._post_send(lambda q: q.wr_local_inv(key), invalidated,
+        self._post_send(lambda q, wr_id: q.invalidate(key, wr_id), invalidated,
                         "invalidating a memory window")
 
     def close(self) -> None:
         """The QP is gone, so no window bound to it answers any more."""
         for window in [*self._windows.values(), *self._spare]:
-            with contextlib.suppress(PyverbsError):
+            with contextlib.suppress(VerbsError):
                 window.mw.close()
         for lease_mr in self._lease_mrs.values():
-            with contextlib.suppress(PyverbsError):
+            with contextlib.suppress(VerbsError):
                 lease_mr.close()
         self._windows.clear()
         self._spare.clear()

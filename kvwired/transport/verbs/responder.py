@@ -6,21 +6,17 @@ re-posted for every one consumed, before the credit for it goes back.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import socket
 from collections.abc import Callable
 from typing import Any
-
-import pyverbs.enums as e
-from pyverbs.pyverbs_error import PyverbsError
-from pyverbs.wr import SGE, RecvWR
 
 from ...errors import TransportError
 from ...rdma import NoRdmaPath, source_address
 from ..base import ErrorHandler, ImmediateHandler, Responder
-from .completions import completion_error
-from .keys import LeaseKeys
+from . import core
+from .completions import Completion, completion_error
+from .core import VerbsError
+from .keys import LeaseKeys, SendWork
 from .queue_pair import Endpoint, QueuePair, QueuePairs
 
 
@@ -43,7 +39,6 @@ class VerbsResponder(Responder):
         self._on_error = on_error
         self._depth = depth
         self._qp: QueuePair | None = None
-        self._receive: Any = None
         self._closed = False
 
     async def accept(self, offer: dict[str, Any]) -> dict[str, Any]:
@@ -55,13 +50,8 @@ class VerbsResponder(Responder):
                                     per_lease_keys=self._owner.per_lease_keys)
         self._qp = qp
         try:
-            # A WRITE_WITH_IMM consumes a receive but writes nothing into its
-            # buffer: every receive points at the same byte of the pool.
-            sge = SGE(qp.device.base, 1, qp.receive_lkey)
-            self._receive = RecvWR(wr_id=0, num_sge=1, sg=[sge])
-            for _ in range(self._depth):
-                qp.qp.post_recv(self._receive)
-        except PyverbsError as exc:
+            self._post_receives(self._depth)
+        except VerbsError as exc:
             self.close()
             raise TransportError(f"posting {self._depth} receives failed: {exc}") from exc
         try:
@@ -71,6 +61,12 @@ class VerbsResponder(Responder):
             raise
         return {**qp.endpoint.to_wire(), "rkey": qp.device.mr.rkey, "addr": qp.device.base,
                 "size": self._owner.memory_size}
+
+    def _post_receives(self, count: int) -> None:
+        # A WRITE_WITH_IMM consumes a receive but writes nothing into its
+        # buffer: every receive points at the same byte of the pool.
+        assert self._qp is not None
+        self._qp.qp.post_receives(self._qp.device.base, 1, self._qp.receive_lkey, count)
 
     def poll_now(self) -> None:
         """Read whatever completions are there (see ``VerbsDataChannel.poll_now``)."""
@@ -94,59 +90,62 @@ class VerbsResponder(Responder):
     def revoke(self, key: int, then: Callable[[], None]) -> None:
         self._keys.revoke(key, then, qp_gone=self._closed)
 
-    def _post_send(self, build: Callable[[Any], None],
-                   done: Callable[[Exception | None], None], what: str) -> None:
+    def _post_send(self, work: SendWork, done: Callable[[Exception | None], None],
+                   what: str) -> None:
         """One signalled work request on the send queue; ``done`` hears its end."""
         assert self._qp is not None
-        qp = self._qp.qp
         wr_id = self._next_wr_id
         self._next_wr_id += 1
         self._waiting[wr_id] = done
         try:
-            qp.wr_start()
-            qp.wr_id = wr_id
-            qp.wr_flags = e.IBV_SEND_SIGNALED
-            build(qp)
-            qp.wr_complete()
-        except PyverbsError as exc:
-            with contextlib.suppress(PyverbsError):
-                qp.wr_abort()
-            self._fail(TransportError(f"{what} failed: {exc}"))
+            work(self._qp.qp, wr_id)
+        except VerbsError as exc:
+            self._fail(TransportError(f"{what} failed: {exc}"))  # ``done`` hears it closed
             return
         self._qp.cq.kick()
 
-    def _on_completions(self, completions: list[Any]) -> None:
+    def _on_completions(self, completions: list[Completion]) -> None:
         assert self._qp is not None
-        for wc in completions:
+        # Immediates are handed up a batch at a time, after one call re-posts
+        # their receives; a failure after some hands those up first.
+        immediates: list[int] = []
+        for wr_id, status, opcode, imm in completions:
             if self._closed:
                 return
             # A failed completion's opcode is undefined: its wr_id says what it was.
-            if wc.wr_id in self._waiting and (
-                    wc.status != e.IBV_WC_SUCCESS
-                    or wc.opcode in (e.IBV_WC_BIND_MW, e.IBV_WC_LOCAL_INV)):
-                done = self._waiting.pop(wc.wr_id)
-                if wc.status != e.IBV_WC_SUCCESS:
-                    error = completion_error(wc.status, self._qp.qp.qp_num,
+            if wr_id in self._waiting and (
+                    status != core.IBV_WC_SUCCESS
+                    or opcode in (core.IBV_WC_BIND_MW, core.IBV_WC_LOCAL_INV)):
+                done = self._waiting.pop(wr_id)
+                if status != core.IBV_WC_SUCCESS:
+                    error = completion_error(status, self._qp.qp.qp_num,
                                              "a memory window operation")
+                    self._hand_up(immediates)
                     done(error)
                     self._fail(error)
                     return
                 done(None)
-                continue
-            if wc.status != e.IBV_WC_SUCCESS:
-                self._fail(completion_error(wc.status, self._qp.qp.qp_num, "receive"))
+            elif status != core.IBV_WC_SUCCESS:
+                self._hand_up(immediates)
+                self._fail(completion_error(status, self._qp.qp.qp_num, "receive"))
                 return
-            if wc.opcode != e.IBV_WC_RECV_RDMA_WITH_IMM:
-                continue
-            try:
-                self._qp.qp.post_recv(self._receive)  # before the credit goes back
-            except PyverbsError as exc:
-                self._fail(TransportError(f"re-posting a receive failed: {exc}"))
+            elif opcode == core.IBV_WC_RECV_RDMA_WITH_IMM:
+                immediates.append(imm)
+        self._hand_up(immediates)
+
+    def _hand_up(self, immediates: list[int]) -> None:
+        if not immediates or self._closed:
+            return
+        try:
+            self._post_receives(len(immediates))  # before the credits go back
+        except VerbsError as exc:
+            self._fail(TransportError(f"re-posting {len(immediates)} receives failed: {exc}"))
+            return
+        for imm in immediates:
+            if self._closed:
                 return
             self.writes_received += 1
-            # pyverbs converts the immediate to network order when posting but
-            # hands the received one over raw.
-            self._on_immediate(socket.ntohl(wc.imm_data))
+            self._on_immediate(imm)
 
     def _fail(self, error: TransportError) -> None:
         if not self._closed:
@@ -155,12 +154,12 @@ class VerbsResponder(Responder):
 
     def close(self) -> None:
         self._closed = True
+        self._keys.close()  # the windows and lease MRs, before the QP and PD they are on
         if self._qp is not None:
             self._qp.close()
         waiting, self._waiting = self._waiting, {}
         for done in waiting.values():
             done(TransportError("the data connection closed"))
-        self._keys.close()
 
 
 def rail_source(remote: Endpoint) -> str:

@@ -10,6 +10,7 @@ from ...rdma import check_memlock, devices, pick_gid, rail_gid, roce_devices
 from ...units import format_size
 from ..base import ErrorHandler, ImmediateHandler, Initiator, Responder, Transport
 from .channel import VerbsInitiator
+from .completions import Completion
 from .device import Device
 from .gids import GidReader
 from .queue_pair import QP_TIMEOUT, QueuePair
@@ -61,7 +62,7 @@ class VerbsTransport(Transport):
         return self._devices[name]
 
     def queue_pair(self, local_host: str, recv_depth: int,
-                   on_completions: Callable[[list[Any]], None],
+                   on_completions: Callable[[list[Completion]], None],
                    per_lease_keys: bool = False, rail: str = "") -> QueuePair:
         """A QP on ``rail``'s device when given, else on the device whose GID
         holds ``local_host`` (the control path's, unless configured)."""
@@ -70,10 +71,9 @@ class VerbsTransport(Transport):
                pick_gid(local_host, self._device_name, self._gid_index, table=table))
         device = self._device(gid.device)
         # Windows where the device bounds them; else a PD per QP for its lease MRs.
-        windows = per_lease_keys and device.bounds_windows
         own_pd = per_lease_keys and not device.bounds_windows
         return QueuePair(device, gid, recv_depth, on_completions, self._spin_seconds,
-                          windows, own_pd, self._ack_timeout)
+                         own_pd, self._ack_timeout)
 
     def initiator(self, local_host: str, rail: str = "") -> Initiator:
         return VerbsInitiator(self, local_host, rail)
