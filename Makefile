@@ -16,7 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml scripts/install-system-packages.sh kvwired/transport/verbs/_ibv.c
+$(STAMP): pyproject.toml setup.py scripts/install-system-packages.sh kvwired/transport/verbs/_ibv.c
 	scripts/install-system-packages.sh
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check --upgrade pip

@@ -95,7 +95,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "kvwired.client": ("results", "connection", "push", "recovery", "sender", "receiver",
                        "sync"),
     # The transports, mirrored by name where they do the same job.
-    "kvwired.transport.verbs": ("send_queue", "device", "gids", "completions", "queue_pair",
+    "kvwired.transport.verbs": ("send_queue", "core", "device", "gids", "completions", "queue_pair",
                                 "keys", "channel", "responder", "transport"),
     "kvwired.transport.tcp": ("frames", "write_receiver", "keys", "socket_options", "channel",
                               "responder", "transport"),

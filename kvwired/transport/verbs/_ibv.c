@@ -653,14 +653,16 @@ static PyObject *QP_state(QueuePair *self, PyObject *unused) {
     return PyLong_FromLong(attr.qp_state);
 }
 
-#define CHAIN 32 /* work requests per ibv_post_send: one doorbell for each */
+#define CHAIN 32 /* receives per ibv_post_recv */
 
 /* post_writes(writes, start, end, local_base, lkey, remote_base, rkey, imm,
  *             signalled)
  * Writes ``writes[start:end]`` (Write tuples: local offset, remote offset,
- * length) in order; the post's last write (index len(writes) - 1) carries
- * ``imm`` unless it is None; ``signalled`` maps an index to the wr_id of
- * the signalled work request there (the others are unsignalled). */
+ * length) in order, chained in one ibv_post_send: one doorbell for the
+ * burst, as the send queue's accounting expects. The post's last write
+ * (index len(writes) - 1) carries ``imm`` unless it is None; ``signalled``
+ * maps an index to the wr_id of the signalled work request there (the
+ * others are unsignalled). Nothing is posted if any write is malformed. */
 static PyObject *QP_post_writes(QueuePair *self, PyObject *args) {
     PyObject *writes, *imm_obj, *signalled;
     Py_ssize_t start, end;
@@ -677,66 +679,79 @@ static PyObject *QP_post_writes(QueuePair *self, PyObject *args) {
         Py_DECREF(seq);
         return PyErr_Format(PyExc_IndexError, "writes [%zd, %zd) of %zd", start, end, count);
     }
+    Py_ssize_t n = end - start;
+    if (n == 0) {
+        Py_DECREF(seq);
+        Py_RETURN_NONE;
+    }
     int with_imm = imm_obj != Py_None;
     uint32_t imm = 0;
     if (with_imm) {
         imm = (uint32_t)PyLong_AsUnsignedLong(imm_obj);
         if (PyErr_Occurred()) { Py_DECREF(seq); return NULL; }
     }
-    struct ibv_send_wr wr[CHAIN];
-    struct ibv_sge sge[CHAIN];
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t at = start; at < end;) {
-        int n = 0;
-        for (; n < CHAIN && at < end; n++, at++) {
-            PyObject *w = items[at];
-            if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
-                Py_DECREF(seq);
-                return PyErr_Format(PyExc_TypeError, "a write is (local offset, remote "
-                                    "offset, length), not %R", w);
-            }
-            unsigned long long local = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(w, 0));
-            unsigned long long remote = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(w, 1));
-            unsigned long length = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(w, 2));
-            if (PyErr_Occurred()) { Py_DECREF(seq); return NULL; }
-            memset(&wr[n], 0, sizeof wr[n]);
-            sge[n].addr = local_base + local;
-            sge[n].length = (uint32_t)length;
-            sge[n].lkey = lkey;
-            wr[n].sg_list = &sge[n];
-            wr[n].num_sge = 1;
-            wr[n].wr.rdma.remote_addr = remote_base + remote;
-            wr[n].wr.rdma.rkey = rkey;
-            if (with_imm && at == count - 1) {
-                wr[n].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
-                wr[n].imm_data = htonl(imm);
-            } else {
-                wr[n].opcode = IBV_WR_RDMA_WRITE;
-            }
-            PyObject *key = PyLong_FromSsize_t(at);
-            if (key == NULL) { Py_DECREF(seq); return NULL; }
-            PyObject *wr_id = PyDict_GetItemWithError(signalled, key);
-            Py_DECREF(key);
-            if (wr_id != NULL) {
-                wr[n].wr_id = PyLong_AsUnsignedLongLong(wr_id);
-                if (PyErr_Occurred()) { Py_DECREF(seq); return NULL; }
-                wr[n].send_flags = IBV_SEND_SIGNALED;
-            } else if (PyErr_Occurred()) {
-                Py_DECREF(seq);
-                return NULL;
-            }
-            wr[n].next = NULL;
-            if (n > 0) wr[n - 1].next = &wr[n];
-        }
-        struct ibv_send_wr *bad = NULL;
-        int err = ibv_post_send(self->qp, wr, &bad);
-        if (err) {
-            Py_DECREF(seq);
-            return raise_errno(err, "ibv_post_send");
-        }
+    /* One write (the common small post) needs no allocation. */
+    struct ibv_send_wr one_wr;
+    struct ibv_sge one_sge;
+    struct ibv_send_wr *wr = n == 1 ? &one_wr : PyMem_Calloc((size_t)n, sizeof *wr);
+    struct ibv_sge *sge = n == 1 ? &one_sge : PyMem_Calloc((size_t)n, sizeof *sge);
+    PyObject *result = NULL;
+    if (wr == NULL || sge == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t at = start + i;
+        PyObject *w = items[at];
+        if (!PyTuple_Check(w) || PyTuple_GET_SIZE(w) != 3) {
+            PyErr_Format(PyExc_TypeError, "a write is (local offset, remote offset, length), "
+                         "not %R", w);
+            goto done;
+        }
+        unsigned long long local = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(w, 0));
+        unsigned long long remote = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(w, 1));
+        unsigned long length = PyLong_AsUnsignedLong(PyTuple_GET_ITEM(w, 2));
+        if (PyErr_Occurred()) goto done;
+        memset(&wr[i], 0, sizeof wr[i]);
+        sge[i] = (struct ibv_sge){.addr = local_base + local, .length = (uint32_t)length,
+                                  .lkey = lkey};
+        wr[i].sg_list = &sge[i];
+        wr[i].num_sge = 1;
+        wr[i].wr.rdma.remote_addr = remote_base + remote;
+        wr[i].wr.rdma.rkey = rkey;
+        if (with_imm && at == count - 1) {
+            wr[i].opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+            wr[i].imm_data = htonl(imm);
+        } else {
+            wr[i].opcode = IBV_WR_RDMA_WRITE;
+        }
+        PyObject *key = PyLong_FromSsize_t(at);
+        if (key == NULL) goto done;
+        PyObject *wr_id = PyDict_GetItemWithError(signalled, key);
+        Py_DECREF(key);
+        if (wr_id != NULL) {
+            wr[i].wr_id = PyLong_AsUnsignedLongLong(wr_id);
+            if (PyErr_Occurred()) goto done;
+            wr[i].send_flags = IBV_SEND_SIGNALED;
+        } else if (PyErr_Occurred()) {
+            goto done;
+        }
+        wr[i].next = i + 1 < n ? &wr[i + 1] : NULL;
+    }
+    struct ibv_send_wr *bad = NULL;
+    int err = ibv_post_send(self->qp, wr, &bad);
+    if (err) {
+        raise_errno(err, "ibv_post_send");
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    if (wr != &one_wr) PyMem_Free(wr);
+    if (sge != &one_sge) PyMem_Free(sge);
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    return result;
 }
 
 /* post_receives(address, length, lkey, count): ``count`` receives, each
