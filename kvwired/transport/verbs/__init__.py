@@ -14,9 +14,9 @@ What the code must respect (docs/DESIGN.md, "RDMA facts"):
 - receiver-not-ready retries are bounded (``rnr_retry`` 6: 7 is endless), so a
   missing receive is a completion error within seconds; ``retry_cnt`` is 7
   (endless on rxe) and a dead peer is bounded by the link's progress check;
-- writes are posted a burst per call into the core, chained (one doorbell
-  per chain), one signalled work request per post (and every
-  ``SIGNAL_EVERY``), completions polled in batches;
+- writes are posted a burst per call into the core, chained into one
+  ``ibv_post_send`` (one doorbell), one signalled work request per post
+  (and every ``SIGNAL_EVERY``), completions polled in batches;
 - completions wake the event loop through the completion channel's file
   descriptor: no thread, no spinning while idle, no polling interval added
   while busy. A wake-up is one call into the core (take the event,

@@ -1,7 +1,7 @@
 """The initiator's end: a queue pair whose send queue carries the writes.
 
 Writes are posted a burst per call into the compiled core (chained work
-requests, one doorbell per chain), in the bursts and with the signals that
+requests, one doorbell per burst), in the bursts and with the signals that
 ``SendQueue`` decides; completions come back from the completion queue in
 batches and end the posts they account for.
 """
