@@ -82,8 +82,8 @@ static int resource_close(Resource *self) {
     return 0;
 }
 
-/* ``child`` was made from ``parent``: closed with it, keeps it alive. */
-static int adopt(Resource *parent, Resource *child) {
+/* ``child`` is closed with ``parent`` (first, newest first). */
+static int add_dependent(Resource *parent, Resource *child) {
     if (parent->closed) {
         PyErr_Format(PyExc_ValueError, "%s is closed", Py_TYPE(parent)->tp_name);
         return -1;
@@ -109,7 +109,12 @@ static int adopt(Resource *parent, Resource *child) {
     }
     int rc = PyList_Append(parent->dependents, ref);
     Py_DECREF(ref);
-    if (rc < 0) return -1;
+    return rc;
+}
+
+/* ``child`` was made from ``parent``: closed with it, keeps it alive. */
+static int adopt(Resource *parent, Resource *child) {
+    if (add_dependent(parent, child) < 0) return -1;
     Py_INCREF(parent);
     child->parent = (PyObject *)parent;
     return 0;
@@ -143,17 +148,18 @@ static int check_open(Resource *self) {
     return 0;
 }
 
-#define RESOURCE_TYPE(cname, pyname, doc, methods, getset)                                 \
+#define RESOURCE_TYPE(cname, pyname, doc, methods, members, getset, dealloc)               \
     static PyTypeObject cname##Type = {                                                  \
         PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwired.transport.verbs._ibv." pyname, \
         .tp_basicsize = sizeof(cname),                                                   \
         .tp_flags = Py_TPFLAGS_DEFAULT,                                                  \
         .tp_doc = doc,                                                                   \
         .tp_weaklistoffset = offsetof(Resource, weakrefs),                              \
-        .tp_dealloc = (destructor)Resource_dealloc,                                      \
+        .tp_dealloc = (destructor)dealloc,                                               \
         .tp_init = (initproc)cname##_init,                                               \
         .tp_new = PyType_GenericNew,                                                     \
         .tp_methods = methods,                                                           \
+        .tp_members = members,                                                           \
         .tp_getset = getset,                                                             \
     }
 
@@ -218,7 +224,7 @@ static PyMethodDef Context_methods[] = {
     {NULL}};
 
 RESOURCE_TYPE(Context, "Context", "An opened RDMA device: Context(name).", Context_methods,
-              closed_getset);
+              NULL, closed_getset, Resource_dealloc);
 
 /* ----------------------------------------------------- protection domain */
 
@@ -255,7 +261,7 @@ static PyMethodDef PD_methods[] = {
     {NULL}};
 
 RESOURCE_TYPE(ProtectionDomain, "ProtectionDomain", "ProtectionDomain(context).", PD_methods,
-              closed_getset);
+              NULL, closed_getset, Resource_dealloc);
 
 /* -------------------------------------------------------- memory region */
 
@@ -308,19 +314,9 @@ static PyMethodDef MR_methods[] = {
      "Deregister: the device refuses the keys from now on."},
     {NULL}};
 
-static PyTypeObject MemoryRegionType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwired.transport.verbs._ibv.MemoryRegion",
-    .tp_basicsize = sizeof(MemoryRegion),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "MemoryRegion(pd, address, length, access): memory registered for RDMA.",
-    .tp_weaklistoffset = offsetof(Resource, weakrefs),
-    .tp_dealloc = (destructor)Resource_dealloc,
-    .tp_init = (initproc)MemoryRegion_init,
-    .tp_new = PyType_GenericNew,
-    .tp_methods = MR_methods,
-    .tp_members = MR_members,
-    .tp_getset = closed_getset,
-};
+RESOURCE_TYPE(MemoryRegion, "MemoryRegion",
+              "MemoryRegion(pd, address, length, access): memory registered for RDMA.",
+              MR_methods, MR_members, closed_getset, Resource_dealloc);
 
 /* -------------------------------------------------------- memory window */
 
@@ -367,7 +363,7 @@ static PyMethodDef MW_methods[] = {
     {NULL}};
 
 RESOURCE_TYPE(MemoryWindow, "MemoryWindow", "MemoryWindow(pd): a type 2 memory window.",
-              MW_methods, MW_getset);
+              MW_methods, NULL, MW_getset, Resource_dealloc);
 
 /* ------------------------------------------------------ completion queue */
 
@@ -520,7 +516,7 @@ static PyMethodDef CQ_methods[] = {
 
 RESOURCE_TYPE(CompletionQueue, "CompletionQueue",
               "CompletionQueue(context, depth): a CQ armed on a non-blocking channel.",
-              CQ_methods, CQ_getset);
+              CQ_methods, NULL, CQ_getset, Resource_dealloc);
 
 /* ----------------------------------------------------------- queue pair */
 
@@ -563,13 +559,7 @@ static int QueuePair_init(QueuePair *self, PyObject *args, PyObject *kw) {
     self->cq = (PyObject *)cq;
     /* Closed with its PD and with its CQ: whichever goes first. */
     if (adopt(&pd->base, &self->base) < 0) return -1;
-    if (check_open(&cq->base) < 0) return -1;
-    if (cq->base.dependents == NULL && (cq->base.dependents = PyList_New(0)) == NULL) return -1;
-    PyObject *ref = PyWeakref_NewRef((PyObject *)self, NULL);
-    if (ref == NULL) return -1;
-    int rc = PyList_Append(cq->base.dependents, ref);
-    Py_DECREF(ref);
-    return rc;
+    return add_dependent(&cq->base, &self->base);
 }
 
 static void QueuePair_dealloc(QueuePair *self) {
@@ -840,19 +830,9 @@ static PyMethodDef QP_methods[] = {
     {"close", (PyCFunction)Resource_close, METH_NOARGS, "Destroy the queue pair."},
     {NULL}};
 
-static PyTypeObject QueuePairType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvwired.transport.verbs._ibv.QueuePair",
-    .tp_basicsize = sizeof(QueuePair),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "QueuePair(pd, cq, send_depth, recv_depth): an RC queue pair, in RESET.",
-    .tp_weaklistoffset = offsetof(Resource, weakrefs),
-    .tp_dealloc = (destructor)QueuePair_dealloc,
-    .tp_init = (initproc)QueuePair_init,
-    .tp_new = PyType_GenericNew,
-    .tp_methods = QP_methods,
-    .tp_members = QP_members,
-    .tp_getset = closed_getset,
-};
+RESOURCE_TYPE(QueuePair, "QueuePair",
+              "QueuePair(pd, cq, send_depth, recv_depth): an RC queue pair, in RESET.",
+              QP_methods, QP_members, closed_getset, QueuePair_dealloc);
 
 /* --------------------------------------------------------------- module */
 
